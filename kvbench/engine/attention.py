@@ -1,0 +1,94 @@
+"""The attention function kvbench registers with transformers.
+
+The output comes from transformers' own SDPA path (a fused kernel), with a mask this function builds
+per layer: causal inside the new chunk, every kept past entry visible. Only the statistics the
+policy asks for are computed, a block of queries at a time, so no n×n matrix is ever held. Once the
+output exists the cache folds the statistics in and evicts: the step's own queries count.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_NAME = "kvbench"
+# Upper bound on attention-probability elements materialised at once while collecting statistics.
+STATS_BLOCK_ELEMENTS = 1 << 22
+
+
+def visibility(past: int, q_start: int, q_end: int, n: int, visible_past: torch.Tensor | None,
+               device: torch.device) -> torch.Tensor:
+    """Bool [heads or 1, q_end - q_start, n]: key j is visible to chunk query i."""
+    rows = torch.arange(q_start, q_end, device=device).unsqueeze(-1) + past
+    allowed = (torch.arange(n, device=device).unsqueeze(0) <= rows).unsqueeze(0)
+    if visible_past is not None:
+        allowed = allowed.repeat(visible_past.shape[0], 1, 1)
+        allowed[:, :, :past] &= visible_past.unsqueeze(1)
+    return allowed
+
+
+def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float, past: int,
+                         visible_past: torch.Tensor | None, needs: frozenset[str]) -> dict[str, torch.Tensor]:
+    """Per KV head and key: sums over this step's queries of the attention probability (and its square),
+    and the last query's row. Query heads of a GQA group are averaged into their KV head."""
+    _, hq, q, dim = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    group = hq // hkv
+    qh = query[0].reshape(hkv, group, q, dim).to(torch.float32)
+    kh = key[0].to(torch.float32)
+    out = {name: torch.zeros(hkv, n, device=key.device) for name in ("acc", "sumsq") if name in needs}
+    block = max(1, STATS_BLOCK_ELEMENTS // (hq * n))
+    for start in range(0, q, block):
+        end = min(q, start + block)
+        logits = torch.einsum("hgqd,hnd->hgqn", qh[:, :, start:end], kh) * scaling
+        allowed = visibility(past, start, end, n, visible_past, key.device).unsqueeze(1)
+        probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1).mean(dim=1)  # [hkv, qb, n]
+        if "acc" in out:
+            out["acc"] += probs.sum(dim=1)
+        if "sumsq" in out:
+            out["sumsq"] += probs.square().sum(dim=1)
+        if "last" in needs and end == q:
+            out["last"] = probs[:, -1]
+    return out
+
+
+def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    cache = kwargs.pop("kvbench_cache", None)
+    if cache is None:  # a plain call (no BudgetedCache): behave exactly like SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    layer = cache.layers[module.layer_idx]
+    q, n = query.shape[2], key.shape[2]
+    past = n - q
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    mask = None
+    if layer.visible_past is not None:
+        group = query.shape[1] // key.shape[1]
+        mask = visibility(past, 0, q, n, layer.visible_past, key.device).repeat_interleave(group, dim=0).unsqueeze(0)
+    elif q > 1 and past > 0:
+        mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0)
+    output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
+                                       is_causal=mask is None and q > 1)
+    needs = cache.policy.needs
+    stats = attention_statistics(query, key, scaling, past, layer.visible_past, needs) if cache.policy.needs_attention else {}
+    cache.after_attention(module.layer_idx, q, stats)
+    return output, None
+
+
+AttentionInterface.register(ATTN_NAME, kvbench_attention)
+
+
+@contextlib.contextmanager
+def kvbench_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
+    """Route the model's attention through kvbench for the duration of a generation."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)

@@ -1,0 +1,297 @@
+"""Prefill (optionally chunked) and a decode loop over a ``BudgetedCache``, with explicit positions.
+
+The cache's length is never the sequence position: every fed token gets its true index in the
+sequence, so kept keys keep their rotation and new ones are rotated where they really are.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvbench.engine import measure
+from kvbench.engine.attention import kvbench_attention_enabled
+from kvbench.engine.cache import BudgetedCache, LayerPlan
+from kvbench.policies.base import Policy
+
+STAGES = ("prefill", "decode", "both")
+
+
+@dataclass
+class DecodeSettings:
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_strings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str
+    stop_reason: str
+    prompt_tokens: int
+    budget_tokens: int | None
+    kept_tokens: float
+    seen_tokens: int
+    budget_achieved: float
+    budget_achieved_per_layer: list[float]
+    kv_resident_bytes: int
+    kv_resident_peak_bytes: int
+    kv_capacity_bytes: int
+    prefill_s: float
+    ttft_s: float
+    decode_latencies_s: list[float]
+    peak_memory_prefill_bytes: int
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    logits: torch.Tensor | None = None
+    trace: list[list[torch.Tensor]] | None = None
+
+    def timings(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {"prefill_s": self.prefill_s, "ttft_s": self.ttft_s}
+        out["prefill_tokens_per_s"] = self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else None
+        out.update(measure.latency_summary(self.decode_latencies_s))
+        return out
+
+
+def resolve_budget(budget: float | int, reference_length: int) -> int:
+    """A fraction in (0, 1] of the reference length (rounded up) or an absolute token count."""
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget {budget} must be a fraction in (0, 1] or an integer token count >= 1")
+        return max(1, math.ceil(budget * reference_length))
+    if budget < 1:
+        raise ValueError(f"budget {budget} must be a fraction in (0, 1] or an integer token count >= 1")
+    return int(budget)
+
+
+def reference_length(stage: str, context: int, suffix: int, max_new_tokens: int) -> int:
+    """What a fractional budget is a fraction of: the prompt for prefill/both, the whole sequence for decode."""
+    return context + suffix + max_new_tokens if stage == "decode" else context
+
+
+def plan_capacity(stage: str, budget: int | None, context: int, suffix: int, max_new: int, chunk: int) -> int:
+    """The most tokens a layer ever holds under this schedule (pre-allocated once)."""
+    total = context + suffix + max_new
+    if budget is None:
+        return total
+    prefill_evicts = stage in ("prefill", "both")
+    decode_evicts = stage in ("decode", "both")
+    held_in_prefill = min(context, budget + chunk) if prefill_evicts else context
+    after_prefill = min(context, budget) if prefill_evicts else context
+    after_suffix = after_prefill + suffix
+    if decode_evicts:
+        peak = max(held_in_prefill, max(after_suffix, budget) + 1)
+    else:
+        peak = max(held_in_prefill, after_suffix + max_new)
+    return min(total, peak)
+
+
+def cache_argument(model: Any) -> str:
+    """transformers 5 renamed ``past_key_values`` to ``cache``; accept either."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def choose_token(logits: torch.Tensor, settings: DecodeSettings, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy, or temperature + nucleus sampling from a seeded generator."""
+    if not settings.do_sample:
+        return logits.argmax(dim=-1)
+    scaled = logits.float() / max(settings.temperature, 1e-6)
+    probs = scaled.softmax(dim=-1)
+    if settings.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs > settings.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(configured)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    tokenizer: Any,
+    input_ids: list[int],
+    policy: Policy,
+    budget: float | int,
+    stage: str = "prefill",
+    settings: DecodeSettings | None = None,
+    suffix_ids: list[int] | None = None,
+    stride: int | None = None,
+    layer_budgets: Any = None,
+    return_logits: bool = False,
+    trace: bool = False,
+    forced_tokens: list[int] | None = None,
+    replay_trace: list[list[torch.Tensor]] | None = None,
+) -> Generation:
+    """Run one prompt through prefill and decode with ``policy`` holding ``budget`` in ``stage``.
+
+    ``suffix_ids`` are fed after the context is compressed (a question the policy must not see
+    while compressing). ``layer_budgets(budget, n_layers) -> list[int]`` splits the budget across
+    layers (uniform when None). ``forced_tokens`` teacher-forces the decode (fidelity metrics).
+    ``replay_trace`` (the ``trace`` of another run, used with the full cache) masks every step's
+    past down to what that run held, which must give that run's logits.
+    """
+    settings = settings or DecodeSettings()
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
+    suffix_ids = list(suffix_ids or [])
+    device = next(model.parameters()).device
+    context, suffix = len(input_ids), len(suffix_ids)
+    if context < 1:
+        raise ValueError("the prompt is empty")
+    chunk = stride or context
+    if chunk < 1:
+        raise ValueError(f"stride {stride} must be >= 1")
+    n_layers = model.config.num_hidden_layers
+    budget_tokens = (
+        resolve_budget(budget, reference_length(stage, context, suffix, settings.max_new_tokens))
+        if policy.evicts else None
+    )
+    if budget_tokens is not None and budget_tokens < policy.scope.min_budget():
+        raise ValueError(
+            f"budget of {budget_tokens} tokens is below what policy {policy.name!r} protects "
+            f"({policy.scope.min_budget()} tokens); raise the budget or lower n_sink/window"
+        )
+    per_layer = (
+        layer_budgets(budget_tokens, n_layers) if (layer_budgets and budget_tokens is not None)
+        else [budget_tokens] * n_layers
+    )
+    plans = [
+        LayerPlan(b, plan_capacity(stage, b, context, suffix, settings.max_new_tokens, chunk)) for b in per_layer
+    ]
+    cache = BudgetedCache(plans, policy, seed=settings.seed, device=device)
+    cache_kw = cache_argument(model)
+    sampler = torch.Generator(device=device)
+    sampler.manual_seed(settings.seed)
+    stops = eos_ids(model, tokenizer)
+    traces: list[list[torch.Tensor]] = []
+    logits_seen: list[torch.Tensor] = []
+    resident_peak = 0
+
+    n_forwards = 0
+
+    def forward(ids: list[int], start: int, evicting: bool) -> torch.Tensor:
+        nonlocal resident_peak, n_forwards
+        positions = torch.arange(start, start + len(ids), device=device)
+        if replay_trace is not None and n_forwards > 0:
+            for layer, held in zip(cache.layers, replay_trace[n_forwards - 1]):
+                visible = torch.zeros(held.shape[0], start, dtype=torch.bool, device=device)
+                layer.visible_past = visible.scatter_(1, held.to(device), True)
+        n_forwards += 1
+        cache.begin_step(positions, evicting)
+        out = model(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=positions.unsqueeze(0),
+            use_cache=True,
+            logits_to_keep=1,
+            kvbench_cache=cache,
+            **{cache_kw: cache},
+        )
+        resident_peak = max(resident_peak, cache.summary().resident_bytes)
+        if trace:
+            traces.append(cache.kept_positions())
+        return out.logits[0, -1]
+
+    with kvbench_attention_enabled(model):
+        measure.reset_peak(device)
+        t0 = measure.now(device)
+        prefill_evicts = stage in ("prefill", "both")
+        for start in range(0, context, chunk):
+            logits = forward(input_ids[start : start + chunk], start, prefill_evicts)
+        kept_after_prefill = [layer.length for layer in cache.layers]
+        if suffix:
+            logits = forward(suffix_ids, context, False)
+        t_prefill = measure.now(device)
+        token = int(choose_token(logits, settings, sampler)) if not forced_tokens else forced_tokens[0]
+        t_first = measure.now(device)
+        peak_prefill, peak_kind = measure.peak_memory_bytes(device)
+        tokens = [token]
+        if return_logits:
+            logits_seen.append(logits.float().cpu())
+        latencies: list[float] = []
+        decode_evicts = stage in ("decode", "both")
+        position = context + suffix
+        stop_reason = "max_new_tokens"
+        limit = len(forced_tokens) if forced_tokens else settings.max_new_tokens
+        while len(tokens) < limit:
+            if not forced_tokens and token in stops:
+                stop_reason = "eos"
+                break
+            if not forced_tokens and settings.stop_strings and _hit_stop(tokenizer, tokens, settings.stop_strings):
+                stop_reason = "stop_string"
+                break
+            t_step = measure.now(device)
+            logits = forward([token], position, decode_evicts)
+            token = int(choose_token(logits, settings, sampler))
+            if forced_tokens:
+                token = forced_tokens[len(tokens)]
+            latencies.append(measure.now(device) - t_step)
+            position += 1
+            tokens.append(token)
+            if return_logits:
+                logits_seen.append(logits.float().cpu())
+        peak, _ = measure.peak_memory_bytes(device)
+
+    summary = cache.summary()
+    seen = position  # every token fed to the model
+    kept = sum(summary.kept_per_layer) / n_layers
+    if stage == "prefill":
+        per_layer_achieved = [k / context for k in kept_after_prefill]
+        achieved = sum(per_layer_achieved) / n_layers
+    else:
+        achieved = kept / seen
+        per_layer_achieved = [k / seen for k in summary.kept_per_layer]
+    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
+    if stop_reason == "stop_string":
+        text = _cut_at_stop(text, settings.stop_strings)
+    return Generation(
+        tokens=tokens,
+        text=text,
+        stop_reason=stop_reason,
+        prompt_tokens=context + suffix,
+        budget_tokens=budget_tokens,
+        kept_tokens=kept,
+        seen_tokens=seen,
+        budget_achieved=achieved,
+        budget_achieved_per_layer=per_layer_achieved,
+        kv_resident_bytes=summary.resident_bytes,
+        kv_resident_peak_bytes=resident_peak,
+        kv_capacity_bytes=summary.capacity_bytes,
+        prefill_s=t_prefill - t0,
+        ttft_s=t_first - t0,
+        decode_latencies_s=latencies,
+        peak_memory_prefill_bytes=peak_prefill,
+        peak_memory_bytes=peak,
+        peak_memory_kind=peak_kind,
+        logits=torch.stack(logits_seen) if return_logits else None,
+        trace=traces if trace else None,
+    )
+
+
+def _hit_stop(tokenizer: Any, tokens: list[int], stops: list[str]) -> bool:
+    text = tokenizer.decode(tokens[-16:], skip_special_tokens=True)
+    return any(s in text for s in stops)
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> str:
+    cut = min((text.find(s) for s in stops if s in text), default=len(text))
+    return text[:cut]

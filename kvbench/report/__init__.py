@@ -1,0 +1,1 @@
+"""Figures, tables and report.md from kvbench result rows (``kvbench-report``)."""

@@ -1,0 +1,28 @@
+"""Name -> task class. A new task is one module that decorates its class, plus a config file."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kvbench.tasks.base import Task
+
+TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
+    def wrap(cls: type[Task]) -> type[Task]:
+        cls.name = name
+        TASKS[name] = cls
+        return cls
+
+    return wrap
+
+
+def build_task(cfg: dict[str, Any]) -> Task:
+    """Build a task from its config group: ``name`` picks the class, the other keys are its arguments."""
+    import kvbench.tasks  # noqa: F401  (imports every task module so that they register)
+
+    options = dict(cfg)
+    name = options.pop("name")
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name](**options)
