@@ -118,7 +118,10 @@ def tiny_tokenizer() -> Any:
     return tok
 
 
-def tiny_llama(seed: int = 0, vocab_size: int = 264, max_positions: int = 16384) -> Any:
+TINY_MAX_POSITIONS = 16384
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 264, max_positions: int = TINY_MAX_POSITIONS) -> Any:
     """A small random Llama with grouped-query attention, deterministic for a seed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -142,6 +145,30 @@ def tiny_llama(seed: int = 0, vocab_size: int = 264, max_positions: int = 16384)
     return model
 
 
+def _checkpoint_path(source: str, name_or_path: str | None, cache_dir: str | None) -> tuple[str, bool]:
+    """Where to load from and whether it is local (local loads never touch the network)."""
+    if source == "embedded":
+        return str(embedded_checkpoint(cache_dir)), True
+    if source == "pretrained":
+        if not name_or_path:
+            raise ValueError("model.source=pretrained needs model.name_or_path=<hub id or local dir>")
+        return name_or_path, Path(name_or_path).is_dir()
+    raise ValueError(f"unknown model.source {source!r}; choose embedded, pretrained or tiny")
+
+
+def load_tokenizer(source: str = "embedded", name_or_path: str | None = None, cache_dir: str | None = None,
+                   **_: Any) -> tuple[Any, int]:
+    """The tokenizer and the model's context limit, without loading any weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if source == "tiny":
+        return tiny_tokenizer(), TINY_MAX_POSITIONS
+    path, local = _checkpoint_path(source, name_or_path, cache_dir)
+    config = AutoConfig.from_pretrained(path, local_files_only=local)
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+    return AutoTokenizer.from_pretrained(path, local_files_only=local), limit
+
+
 def load_model(
     name: str,
     source: str = "embedded",
@@ -152,22 +179,15 @@ def load_model(
     seed: int = 0,
 ) -> LoadedModel:
     """Load by source: ``embedded`` (SmolLM2 GGUF), ``pretrained`` (hub id or local dir), ``tiny``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    tokenizer, _ = load_tokenizer(source, name_or_path, cache_dir)
     if source == "tiny":
-        model, tokenizer = tiny_llama(seed=seed), tiny_tokenizer()
+        model = tiny_llama(seed=seed)
     else:
-        if source == "embedded":
-            path, local = str(embedded_checkpoint(cache_dir)), True
-        elif source == "pretrained":
-            if not name_or_path:
-                raise ValueError("model.source=pretrained needs model.name_or_path=<hub id or local dir>")
-            path, local = name_or_path, Path(name_or_path).is_dir()
-        else:
-            raise ValueError(f"unknown model.source {source!r}; choose embedded, pretrained or tiny")
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+        path, local = _checkpoint_path(source, name_or_path, cache_dir)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=local)
     model.to(device=dev, dtype=dt)
     model.eval()

@@ -61,6 +61,9 @@ class Task(ABC):
     def score(self, prediction: str, example: Example) -> dict[str, float]:
         """Metric values for one prediction, higher is better unless the name says otherwise."""
 
+    def validate(self) -> None:
+        """Cheap checks (files exist, options make sense) run before any model loads."""
+
     def generation(self, example: Example) -> GenerationSettings:
         """Per-example generation settings; most tasks use one for all."""
         return GenerationSettings()

@@ -1,0 +1,194 @@
+"""From example rows to cell statistics: the numbers every figure and table draws.
+
+Kept free of matplotlib so tests can check the plotted data directly: ``cell_stats`` returns one
+tidy row per model/task/stage/policy/budget/quantity with x (achieved budget, %), y (mean over
+examples), a bootstrap interval and n.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from kvbench.report.load import CELL
+from kvbench.report.style import BASELINE, sort_policies, sort_stages
+
+N_BOOT = 1000
+LEVEL = 0.95
+STATS_COLUMNS = [*CELL, "budget_kind", "budget_value", "quantity", "x", "y", "ci_low", "ci_high", "n"]
+
+
+def quality_column(rows: pd.DataFrame, metric: str | None) -> tuple[str, dict[str, str]]:
+    """The column holding the quality to plot and, per task, the metric's name.
+
+    Without ``metric`` it is ``score`` (each task's primary metric, which may differ by task);
+    otherwise ``metric`` itself or ``metric.<metric>``.
+    """
+    tasks = sorted(rows["task"].unique()) if "task" in rows else []
+    if metric is None:
+        named = rows.dropna(subset=["primary_metric"]) if "primary_metric" in rows else rows.iloc[:0]
+        names = named.groupby("task")["primary_metric"].agg(lambda s: s.mode().iat[0]) if len(named) else {}
+        return "score", {task: str(names.get(task, "score")) for task in tasks}
+    for column in (metric, f"metric.{metric}"):
+        if column in rows and pd.to_numeric(rows[column], errors="coerce").notna().any():
+            return column, {task: column.removeprefix("metric.") for task in tasks}
+    known = sorted(c.removeprefix("metric.") for c in rows.columns if c.startswith("metric."))
+    raise ValueError(f"no values for metric {metric!r}; rows have: {', '.join(known) or 'none'}")
+
+
+def bootstrap(
+    values: np.ndarray, rng: np.random.Generator, n_boot: int = N_BOOT, level: float = LEVEL
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, percentile-bootstrap interval and count of each column of ``values`` (NaN = absent).
+
+    All columns share one set of resamples, held as per-example multiplicities so memory stays
+    n_boot x n whatever the number of columns. Deviations from the mean are resampled, so constant
+    data gives an interval of exactly the mean; the interval is also widened to include the mean,
+    which keeps error bars non-negative on degenerate data.
+    """
+    data = np.asarray(values, dtype=float)
+    data = data.reshape(len(data), -1)
+    present = ~np.isnan(data)
+    count = present.sum(axis=0)
+    n = len(data)
+    if n == 0:
+        empty = np.full(data.shape[1], np.nan)
+        return empty, empty, empty, count
+    with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns give NaN, as intended
+        mean = np.nanmean(data, axis=0)
+        picks = rng.integers(0, n, size=(n_boot, n)) + n * np.arange(n_boot)[:, None]
+        weights = np.bincount(picks.ravel(), minlength=n_boot * n).reshape(n_boot, n).astype(float)
+        deviations = np.where(present, data - mean, 0.0)
+        resampled = mean + (weights @ deviations) / (weights @ present)
+        tail = (1 - level) / 2 * 100
+        low, high = np.nanpercentile(resampled, [tail, 100 - tail], axis=0)
+    return mean, np.fmin(low, mean), np.fmax(high, mean), count
+
+
+def _achieved_percent(group: pd.DataFrame) -> float:
+    """Mean achieved budget in %, or the requested fraction when the rows do not record it."""
+    achieved = pd.to_numeric(group.get("budget_achieved", pd.Series(dtype=float)), errors="coerce")
+    if achieved.notna().any():
+        return float(achieved.mean() * 100)
+    first = group.iloc[0]
+    return float(first["budget_value"] * 100) if first["budget_kind"] == 0 else float("nan")
+
+
+def cell_stats(
+    rows: pd.DataFrame, quantities: Sequence[str], n_boot: int = N_BOOT, seed: int = 0
+) -> pd.DataFrame:
+    """Long table of per-cell statistics of ``quantities`` over the ``ok`` rows.
+
+    Each cell's generator is seeded from ``seed`` and the cell's identity, so a cell's interval
+    does not change when other cells are added to the sweep.
+    """
+    present = [q for q in quantities if q in rows]
+    ok = rows[rows["status"].eq("ok")] if "status" in rows else rows
+    records = []
+    for key, group in ok.groupby(CELL, sort=False):
+        rng = np.random.default_rng([seed, zlib.crc32("\x1f".join(key).encode())])
+        values = group[present].apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float)
+        mean, low, high, count = bootstrap(values, rng, n_boot)
+        base = dict(zip(CELL, key))
+        base.update(
+            budget_kind=group["budget_kind"].iat[0],
+            budget_value=group["budget_value"].iat[0],
+            x=_achieved_percent(group),
+        )
+        records += [
+            {**base, "quantity": q, "y": mean[i], "ci_low": low[i], "ci_high": high[i], "n": int(count[i])}
+            for i, q in enumerate(present)
+        ]
+    return pd.DataFrame.from_records(records, columns=STATS_COLUMNS)
+
+
+def with_full_baseline(stats: pd.DataFrame) -> pd.DataFrame:
+    """Copy the full-cache cells into stages that lack them: without eviction the stage is moot."""
+    full = stats[stats["policy"].eq(BASELINE)]
+    stages = sort_stages(stats["stage"].unique())
+    copies = []
+    for (model, task), cells in full.groupby(["model", "task"]):
+        have = sort_stages(cells["stage"].unique())
+        source = cells[cells["stage"].eq(have[0])]
+        copies += [source.assign(stage=stage) for stage in stages if stage not in have]
+    return pd.concat([stats, *copies], ignore_index=True) if copies else stats
+
+
+def pareto_mask(cost: Sequence[float], quality: Sequence[float], higher_is_better: bool = True) -> np.ndarray:
+    """True where no other point has lower-or-equal cost and better-or-equal quality (one strictly)."""
+    cost_arr = np.asarray(cost, dtype=float)
+    gain = np.asarray(quality, dtype=float) * (1 if higher_is_better else -1)
+    mask = np.zeros(len(cost_arr), dtype=bool)
+    best = -np.inf
+    for i in np.lexsort((-gain, cost_arr)):
+        if np.isfinite(cost_arr[i]) and np.isfinite(gain[i]) and gain[i] > best:
+            mask[i] = True
+            best = gain[i]
+    return mask
+
+
+def _sorted_cells(frame: pd.DataFrame) -> pd.DataFrame:
+    """Cells in reading order: model, task, stage, policy (table order), budget."""
+    policy_rank = {p: i for i, p in enumerate(sort_policies(frame["policy"]))}
+    stage_rank = {s: i for i, s in enumerate(sort_stages(frame["stage"]))}
+    return frame.sort_values(
+        ["model", "task", "stage", "policy", "budget_kind", "budget_value", "budget"],
+        key=lambda c: c.map(policy_rank) if c.name == "policy" else c.map(stage_rank) if c.name == "stage" else c,
+    ).reset_index(drop=True)
+
+
+def missing_cells(rows: pd.DataFrame) -> pd.DataFrame:
+    """Cells of the grid (seen policies x budgets x tasks x models x stages) with no row at all.
+
+    The full cache needs one cell per model and task, at any budget and stage.
+    """
+    columns = [*CELL, "budget_kind", "budget_value"]
+    if rows.empty:
+        return pd.DataFrame(columns=columns)
+    evicting = rows[~rows["policy"].eq(BASELINE)]
+    budgets = evicting[["budget", "budget_kind", "budget_value"]].drop_duplicates().itertuples(index=False)
+    budgets = list(budgets)
+    present = set(rows[CELL].itertuples(index=False, name=None))
+    models, tasks, stages = (sorted(rows[c].unique()) for c in ("model", "task", "stage"))
+    missing = [
+        (model, task, stage, policy, budget, kind, value)
+        for model, task, stage, policy, (budget, kind, value) in itertools.product(
+            models, tasks, stages, sorted(evicting["policy"].unique()), budgets
+        )
+        if (model, task, stage, policy, budget) not in present
+    ]
+    if (rows["policy"] == BASELINE).any():
+        have_full = set(rows.loc[rows["policy"].eq(BASELINE), ["model", "task"]].itertuples(index=False, name=None))
+        missing += [
+            (model, task, "any", BASELINE, "any", 3, np.inf)
+            for model, task in itertools.product(models, tasks)
+            if (model, task) not in have_full
+        ]
+    return _sorted_cells(pd.DataFrame(missing, columns=columns))
+
+
+def error_counts(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per cell with at least one failed example: ok and error counts and the first message."""
+    columns = [*CELL, "ok", "errors", "first_error"]
+    if rows.empty or not rows["status"].ne("ok").any():
+        return pd.DataFrame(columns=columns)
+    message = rows.get("error", pd.Series("", index=rows.index)).fillna("").astype(str)
+    frame = rows.assign(
+        ok=rows["status"].eq("ok"),
+        errors=rows["status"].ne("ok"),
+        first_error=message.where(rows["status"].ne("ok")).str.replace(r"\s+", " ", regex=True).str.slice(0, 120),
+    )
+    counts = frame.groupby(CELL, sort=False).agg(
+        budget_kind=("budget_kind", "first"),
+        budget_value=("budget_value", "first"),
+        ok=("ok", "sum"),
+        errors=("errors", "sum"),
+        first_error=("first_error", "first"),
+    )
+    counts = counts[counts["errors"] > 0].reset_index()
+    return _sorted_cells(counts)[columns]

@@ -1,0 +1,177 @@
+"""Put a report together: read rows, aggregate, write figures, tables and ``report.md``.
+
+Partial sweeps are the normal case while a sweep runs, so gaps and failures are reported
+(in report.md and on stderr) instead of stopping the report.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from kvbench.report.aggregate import (
+    N_BOOT,
+    cell_stats,
+    error_counts,
+    missing_cells,
+    quality_column,
+    with_full_baseline,
+)
+from kvbench.report.load import CELL, Loaded, load_rows
+from kvbench.report.plots import budget_figure, pareto_figure, save_figure
+from kvbench.report.style import lower_is_better, sort_stages
+from kvbench.report.tables import markdown_table, quality_csv, quality_markdown
+
+MIB, GIB = 2.0**-20, 2.0**-30
+
+# (column, file stem, axis label, scale) of the systems figures against budget.
+SYSTEMS = (
+    ("kv_resident_bytes", "kv_resident_vs_budget", "resident KV (MiB)", MIB),
+    ("peak_memory_bytes", "peak_memory_vs_budget", "peak memory (GiB)", GIB),
+    ("decode_tokens_per_s", "decode_tokens_per_s_vs_budget", "decode tokens/s", 1.0),
+    ("ttft_s", "ttft_vs_budget", "time to first token (s)", 1.0),
+)
+# (cost column, file stem, axis label, scale) of the quality-vs-cost Pareto figures.
+PARETO = (
+    ("kv_resident_bytes", "pareto_memory", "resident KV (MiB)", MIB),
+    ("decode_ms_mean", "pareto_latency", "decode latency (ms/token)", 1.0),
+)
+
+
+def _quantity(stats: pd.DataFrame, column: str, scale: float = 1.0) -> pd.DataFrame:
+    """The cells of one quantity, in display units."""
+    frame = stats[stats["quantity"].eq(column)].copy()
+    frame[["y", "ci_low", "ci_high"]] *= scale
+    return frame
+
+
+def _has_data(frame: pd.DataFrame, stage: str) -> bool:
+    return bool(frame.loc[frame["stage"].eq(stage), "y"].notna().any())
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def _coverage(loaded: Loaded, missing: pd.DataFrame, errors: pd.DataFrame) -> str:
+    """The report section that says what is absent or failed."""
+    lines = ["## Coverage", ""]
+    if missing.empty:
+        lines.append("No missing cells: every policy × budget × task × model × stage seen has rows.")
+    else:
+        lines += [f"{len(missing)} missing cells (no rows at all):", "", markdown_table(missing[CELL])]
+    lines.append("")
+    if errors.empty:
+        lines.append("No failed examples.")
+    else:
+        lines += [f"{int(errors['errors'].sum())} failed examples (excluded from statistics):", ""]
+        lines.append(markdown_table(errors[[*CELL, "ok", "errors", "first_error"]]))
+    if loaded.bad_lines or loaded.duplicates:
+        lines += ["", f"Skipped {loaded.bad_lines} unreadable lines and {loaded.duplicates} duplicate example rows."]
+    return "\n".join(lines)
+
+
+def _log_coverage(log: TextIO, loaded: Loaded, missing: pd.DataFrame, errors: pd.DataFrame) -> None:
+    rows = loaded.rows
+    print(
+        f"kvbench-report: {len(rows)} rows from {len(loaded.files)} files "
+        f"({loaded.bad_lines} unreadable lines, {loaded.duplicates} duplicates skipped)",
+        file=log,
+    )
+    if not missing.empty:
+        print(f"kvbench-report: {len(missing)} missing cells (model / task / stage / policy / budget):", file=log)
+        for cell in missing[CELL].itertuples(index=False):
+            print("  " + " / ".join(cell), file=log)
+    if not errors.empty:
+        print(f"kvbench-report: {int(errors['errors'].sum())} failed examples in {len(errors)} cells", file=log)
+
+
+def _write_figures(
+    stats: pd.DataFrame, column: str, names: dict[str, str], stages: list[str], out_dir: Path
+) -> dict[str, list[str]]:
+    """Save every figure that has data; returns report.md image lines by section."""
+    quality = _quantity(stats, column)
+    single_metric = len(set(names.values())) == 1
+    quality_label = next(iter(names.values())) if single_metric else "score"
+    titles = None if single_metric else {task: f"{task} ({name})" for task, name in names.items()}
+    better = {task: not lower_is_better(name) for task, name in names.items()}
+    sections: dict[str, list[str]] = {"Quality vs budget": [], "Memory and time vs budget": [], "Pareto fronts": []}
+
+    def emit(section: str, stem: str, caption: str, fig: Figure) -> None:
+        save_figure(fig, out_dir, _safe(stem))
+        sections[section].append(f"![{caption}]({_safe(stem)}.png)")
+
+    for stage in stages:
+        if _has_data(quality, stage):
+            fig = budget_figure(quality, stage, quality_label, titles)
+            emit("Quality vs budget", f"quality_vs_budget_{stage}", f"{quality_label} vs budget, {stage}", fig)
+        for name, stem, label, scale in SYSTEMS:
+            frame = _quantity(stats, name, scale)
+            if _has_data(frame, stage):
+                fig = budget_figure(frame, stage, label)
+                emit("Memory and time vs budget", f"{stem}_{stage}", f"{label} vs budget, {stage}", fig)
+        for name, stem, label, scale in PARETO:
+            cost = _quantity(stats, name, scale)
+            if _has_data(quality, stage) and _has_data(cost, stage):
+                fig = pareto_figure(quality, cost, stage, label, quality_label, better, titles)
+                emit("Pareto fronts", f"{stem}_{stage}", f"{quality_label} vs {label}, {stage}", fig)
+    return sections
+
+
+def build_report(
+    roots: Sequence[Path],
+    out_dir: Path,
+    metric: str | None = None,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+    log: TextIO | None = None,
+) -> Path:
+    """Write every figure, the tables and ``report.md`` into ``out_dir``; returns report.md's path.
+
+    Progress, gaps and failures go to ``log`` (standard error by default).
+    """
+    log = log or sys.stderr
+    loaded = load_rows(roots)
+    rows = loaded.rows
+    if rows.empty:
+        raise ValueError(f"no rows.jsonl rows under {', '.join(map(str, roots))}")
+    column, names = quality_column(rows, metric)
+    quantities = [column, *(c for c, *_ in SYSTEMS), *(c for c, *_ in PARETO)]
+    stats = with_full_baseline(cell_stats(rows, list(dict.fromkeys(quantities)), n_boot, seed))
+    missing, errors = missing_cells(rows), error_counts(rows)
+    _log_coverage(log, loaded, missing, errors)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sections = _write_figures(stats, column, names, sort_stages(rows["stage"]), out_dir)
+    quality = _quantity(stats, column)
+    tables_md = quality_markdown(quality, names)
+    quality_csv(quality, names).to_csv(out_dir / "quality_table.csv", index=False)
+    (out_dir / "quality_table.md").write_text(tables_md + "\n", encoding="utf-8")
+    stats.to_csv(out_dir / "cells.csv", index=False)
+
+    ok = int(rows["status"].eq("ok").sum())
+    parts = [
+        "# kvbench report",
+        "",
+        f"{len(rows)} example rows ({ok} ok, {len(rows) - ok} failed) from {len(loaded.files)} files under "
+        + ", ".join(f"`{root}`" for root in roots)
+        + f". Quality: {', '.join(sorted(set(names.values())))}. "
+        f"Error bars: 95 % percentile bootstrap over examples ({n_boot} resamples, seed {seed}). "
+        "x = mean achieved budget of the cell; the dashed line is the full cache.",
+    ]
+    if not missing.empty:
+        parts += ["", f"**Partial sweep: {len(missing)} missing cells, listed under Coverage.**"]
+    for title, images in sections.items():
+        if images:
+            parts += ["", f"## {title}", "", "\n\n".join(images)]
+    parts += ["", "## Quality tables", "", "Best policy per budget in bold (the full cache is the reference).", ""]
+    parts += [tables_md or "No quality values.", "", _coverage(loaded, missing, errors), ""]
+    report = out_dir / "report.md"
+    report.write_text("\n".join(parts), encoding="utf-8")
+    print(f"kvbench-report: wrote {report}", file=log)
+    return report

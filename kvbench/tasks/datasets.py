@@ -1,0 +1,251 @@
+"""Shared plumbing of the dataset-backed tasks: records, sampling, prompt rendering.
+
+Records come from the Hugging Face hub or, for offline runs, from local JSONL files that use the
+hub's field names: ``DIR/<split>.jsonl`` for xsum and cnn_dailymail, ``DIR/<subset>.jsonl`` for
+LongBench (whose only split is ``test``). Rendering turns "context part + question part" into token
+ids: chat template, middle truncation, and the context/question split the engine compresses around.
+"""
+from __future__ import annotations
+
+import json
+import random
+import zipfile
+from abc import abstractmethod
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from kvbench.tasks.base import Example, RenderedPrompt, Task
+from kvbench.tasks.prompting import truncate_middle
+
+# Hub repository and config of each summarisation dataset.
+SUMMARIZATION_HUB: dict[str, tuple[str, str | None]] = {
+    "xsum": ("EdinburghNLP/xsum", None),
+    "cnn_dailymail": ("abisee/cnn_dailymail", "3.0.0"),
+}
+# LongBench v1 ships a loading script (which datasets>=4 refuses to run) next to data.zip of JSONL.
+LONGBENCH_REPO = "THUDM/LongBench"
+LONGBENCH_ARCHIVE = "data.zip"
+LONGBENCH_SUBSETS = (
+    "narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique",
+    "dureader", "gov_report", "qmsum", "multi_news", "vcsum", "trec", "triviaqa", "samsum", "lsht",
+    "passage_count", "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p",
+)
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+# ---------------------------------------------------------------- records
+
+
+def load_records(dataset: str, split: str = "test", data_dir: str | Path | None = None,
+                 subset: str | None = None) -> list[dict[str, Any]]:
+    """All rows of one split (``dataset`` is ``xsum``, ``cnn_dailymail`` or ``longbench``)."""
+    label, stem = _describe(dataset, split, subset)
+    if data_dir is not None:
+        return read_jsonl(_local_file(data_dir, label, stem))
+    _require_hub(label, stem)
+    try:
+        if dataset == "longbench":
+            from huggingface_hub import hf_hub_download
+
+            archive = hf_hub_download(LONGBENCH_REPO, LONGBENCH_ARCHIVE, repo_type="dataset")
+            return load_longbench_archive(archive, stem)
+        return _summarization_from_hub(dataset, split)
+    except (OSError, RuntimeError, ValueError) as err:  # hub and cache errors are OSErrors
+        raise _missing(label, stem, f"{type(err).__name__}: {err}") from err
+
+
+def check_records(dataset: str, split: str = "test", data_dir: str | Path | None = None,
+                  subset: str | None = None) -> None:
+    """Cheap check, reading no data: valid names, and the local file exists or the hub answers."""
+    label, stem = _describe(dataset, split, subset)
+    if data_dir is not None:
+        _local_file(data_dir, label, stem)
+    else:
+        _require_hub(label, stem)
+
+
+def _describe(dataset: str, split: str, subset: str | None) -> tuple[str, str]:
+    """A label for messages and the file stem: the split, or the LongBench subset."""
+    if dataset == "longbench":
+        if subset not in LONGBENCH_SUBSETS:
+            raise ValueError(f"unknown LongBench subset {subset!r}; choose one of {list(LONGBENCH_SUBSETS)}")
+        if split != "test":
+            raise ValueError(f"LongBench has only a 'test' split, not {split!r}")
+        return f"longbench/{subset}", subset
+    if dataset not in SUMMARIZATION_HUB:
+        raise ValueError(f"unknown dataset {dataset!r}")
+    return f"{dataset} split {split!r}", split
+
+
+def _local_file(data_dir: str | Path, label: str, stem: str) -> Path:
+    path = Path(data_dir).expanduser() / f"{stem}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{label}: {path} does not exist. Set task.data_dir=... to a folder holding {stem}.jsonl "
+            "(one JSON object a line, hub field names).")
+    return path
+
+
+def _missing(label: str, stem: str, why: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{label}: cannot load it from the Hugging Face hub ({why}). Set task.data_dir=... to a folder "
+        f"holding {stem}.jsonl (one JSON object a line, hub field names), or set HF_HUB_OFFLINE=1 to "
+        "use a copy already in the hub cache.")
+
+
+def _require_hub(label: str, stem: str) -> None:
+    if not _hub_offline() and not _hub_reachable():
+        raise _missing(label, stem, "the hub is unreachable")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def sample_indices(total: int, n: int | None, seed: int) -> list[int]:
+    """``n`` row indices drawn by ``seed``, in file order; ``n=None`` (or n >= total) keeps every row."""
+    if n is None or n >= total:
+        return list(range(total))
+    if n < 0:
+        raise ValueError(f"n must be >= 0 or null, got {n}")
+    return sorted(random.Random(seed).sample(range(total), n))
+
+
+def load_longbench_archive(archive: str | Path, subset: str) -> list[dict[str, Any]]:
+    """Rows of ``<subset>.jsonl`` inside LongBench's ``data.zip``, read by the ``datasets`` JSON loader."""
+    import datasets
+
+    with zipfile.ZipFile(archive) as zf:
+        members = [m for m in zf.namelist() if PurePosixPath(m).name == f"{subset}.jsonl"]
+    if not members:
+        raise FileNotFoundError(f"{archive} has no {subset}.jsonl")
+    files = {"test": f"zip://{members[0]}::{Path(archive).resolve()}"}
+    return datasets.load_dataset("json", data_files=files, split="test").to_list()
+
+
+def _summarization_from_hub(dataset: str, split: str) -> list[dict[str, Any]]:
+    import datasets
+
+    repo, config = SUMMARIZATION_HUB[dataset]
+    try:
+        return datasets.load_dataset(repo, config, split=split).to_list()
+    except RuntimeError as err:
+        # A repository that still holds a loading script: its parquet export runs without one.
+        if "script" not in str(err):
+            raise
+        return datasets.load_dataset(repo, config, split=split, revision="refs/convert/parquet").to_list()
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE): the libraries then read only their caches."""
+    import datasets
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE)
+
+
+def _hub_reachable() -> bool:
+    """One short request, so an unreachable hub fails in seconds, not after half a minute of retries."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
+    except Exception:  # any transport failure means "not reachable"
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render_prompt(tokenizer: Any, context_part: str, question_part: str, *, chat: bool,
+                  max_prompt_tokens: int | None) -> RenderedPrompt:
+    """Token ids of ``context_part + question_part`` as one user turn.
+
+    With a non-empty ``question_part`` the ids are split where it starts: ``suffix_ids`` hold the
+    question and everything after it (the assistant-turn start of the chat template), and
+    ``input_ids + suffix_ids`` is always exactly the tokenisation of the whole prompt, middle-truncated
+    (positions, so the split survives the cut) when longer than ``max_prompt_tokens``.
+    """
+    text = context_part + question_part
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        # Templates may trim the content; the split point is where the question's text starts.
+        split_at = text.rfind(question_part.strip()) if question_part.strip() else len(text)
+        if split_at < 0:
+            raise ValueError("the chat template changed the question text; cannot split context and question")
+    else:
+        split_at = len(context_part)
+    # Rendered templates carry their own BOS; a plain prompt gets the tokenizer's specials.
+    full = tokenizer.encode(text, add_special_tokens=not chat)
+    head = tokenizer.encode(text[:split_at], add_special_tokens=not chat) if split_at < len(text) else full
+    cut = _common_prefix(full, head)
+    kept, truncated = truncate_middle(list(range(len(full))), max_prompt_tokens)
+    return RenderedPrompt(
+        input_ids=[full[i] for i in kept if i < cut],
+        suffix_ids=[full[i] for i in kept if i >= cut],
+        truncated=truncated,
+        n_prompt_tokens_raw=len(full),
+    )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the shared start: where the context's own tokenisation stops matching the whole."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+# ---------------------------------------------------------------- base task
+
+
+class DatasetTask(Task):
+    """A task over dataset rows: sampling, the context/question split and rendering are shared."""
+
+    subset: str | None = None
+
+    def __init__(self, split: str = "test", n: int | None = 20, seed: int = 0, data_dir: str | None = None,
+                 max_prompt_tokens: int | None = 3500, max_new_tokens: int | None = None,
+                 chat_template: bool = True, question_aware: bool = True) -> None:
+        self.split = split
+        self.n = n
+        self.seed = seed
+        self.data_dir = data_dir
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.chat_template = chat_template
+        self.question_aware = question_aware
+
+    @abstractmethod
+    def make_example(self, record: dict[str, Any], index: int) -> Example:
+        """One row as an example; build it with :meth:`compose`."""
+
+    def validate(self) -> None:
+        check_records(self.name, self.split, self.data_dir, self.subset)
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every row of the configured split (the task's registered name is the loader's)."""
+        return load_records(self.name, self.split, self.data_dir, self.subset)
+
+    def examples(self) -> list[Example]:
+        rows = self.records()
+        return [self.make_example(rows[i], i) for i in sample_indices(len(rows), self.n, self.seed)]
+
+    def compose(self, example_id: str, context_part: str, question_part: str, references: list[str],
+                meta: dict[str, Any]) -> Example:
+        """The user text is always ``prompt + question``; ``question`` is set only when it is fed apart."""
+        if self.question_aware:
+            return Example(id=example_id, prompt=context_part + question_part, references=references, meta=meta)
+        return Example(id=example_id, prompt=context_part, question=question_part, references=references, meta=meta)
+
+    def uses_chat(self, example: Example, tokenizer: Any) -> bool:
+        return bool(self.chat_template and getattr(tokenizer, "chat_template", None))
+
+    def render(self, example: Example, tokenizer: Any) -> RenderedPrompt:
+        return render_prompt(tokenizer, example.prompt, example.question,
+                             chat=self.uses_chat(example, tokenizer), max_prompt_tokens=self.max_prompt_tokens)

@@ -1,0 +1,35 @@
+"""Shared fixtures: a tiny random Llama for fast exact checks, SmolLM2 for the real-model ones."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.models import LoadedModel, load_model
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "configs"
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    lm = load_model("tiny-llama", source="tiny", dtype="float32", device="cpu")
+    # A random model rarely samples EOS, but a test must not depend on luck: never stop early.
+    lm.model.generation_config.eos_token_id = None
+    return lm
+
+
+@pytest.fixture(scope="session")
+def smollm() -> LoadedModel:
+    return load_model("smollm2-135m", source="embedded", dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def random_ids():
+    def make(n: int, seed: int = 0, high: int = 250) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, high, (n,), generator=g).tolist()
+
+    return make
