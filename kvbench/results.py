@@ -2,12 +2,15 @@
 ``summary.json`` (written atomically when the cell completes).
 
 A crash can at worst leave a torn last line; it is cut off before anything new is appended, so a
-rerun resumes after the last finished example and never duplicates or corrupts a row.
+rerun resumes after the last finished example and never duplicates or corrupts a row. A cell that
+cannot run leaves ``error.txt`` (removed when it next runs). The cell's ``config.yaml`` pins what its
+rows mean: a rerun with a different config refuses to mix its rows in.
 """
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -15,10 +18,45 @@ from typing import Any, Iterator
 
 ROWS = "rows.jsonl"
 SUMMARY = "summary.json"
+CONFIG = "config.yaml"
+ERROR = "error.txt"
+# Keys of the run config that say where results go or how they are reported, not what a row means.
+BOOKKEEPING_KEYS = ("results_dir", "sweep_name", "print_table", "tracking", "hydra")
+
+log = logging.getLogger("kvbench")
 
 
 class CellBusy(RuntimeError):
     """Another process is writing this cell right now."""
+
+
+class CellConflict(RuntimeError):
+    """The cell directory holds results of a different config."""
+
+
+def semantic_config(config: dict[str, Any], evicts: bool = True) -> dict[str, Any]:
+    """The part of a cell's resolved config that decides its rows. The full cache ignores the budget,
+    so all its budgets share one cell (see ``kvbench.run.cell_path``)."""
+    out = {k: v for k, v in config.items() if k not in BOOKKEEPING_KEYS}
+    if not evicts:
+        out.pop("budget", None)
+    return out
+
+
+def config_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ, as ``key: old -> new``."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new), key=str):
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old:
+                out.append(f"{name}: (absent) -> {new[key]!r}")
+            elif key not in new:
+                out.append(f"{name}: {old[key]!r} -> (absent)")
+            else:
+                out.extend(config_differences(old[key], new[key], name))
+        return out
+    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -67,10 +105,14 @@ def _clean(value: Any) -> Any:
 class CellResults:
     """The results of one cell, held under an exclusive lock while it runs."""
 
-    def __init__(self, cell_dir: str | os.PathLike):
+    def __init__(self, cell_dir: str | os.PathLike, wait: bool = False):
+        """``wait``: when another process holds the cell, wait for it (a sweep whose full-cache cells
+        share one directory) instead of raising ``CellBusy``."""
         self.dir = Path(cell_dir)
         self.rows_path = self.dir / ROWS
         self.summary_path = self.dir / SUMMARY
+        self.config_path = self.dir / CONFIG
+        self.wait = wait
         self._lock_file = None
 
     def __enter__(self) -> "CellResults":
@@ -79,8 +121,12 @@ class CellResults:
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as err:
-            self._lock_file.close()
-            raise CellBusy(f"{self.dir} is being written by another process") from err
+            if not self.wait:
+                self._lock_file.close()
+                raise CellBusy(f"{self.dir} is being written by another process; "
+                               "wait for it to finish or use another sweep_name") from err
+            log.info("%s is being written by another process; waiting for it", self.dir)
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX)
         repair_tail(self.rows_path)
         return self
 
@@ -109,7 +155,26 @@ class CellResults:
         atomic_write(self.summary_path, json.dumps(_clean(summary), indent=2, ensure_ascii=False))
 
     def write_config(self, yaml_text: str) -> None:
-        atomic_write(self.dir / "config.yaml", yaml_text)
+        atomic_write(self.config_path, yaml_text)
+
+    def claim(self, config: dict[str, Any], evicts: bool = True) -> None:
+        """Record ``config`` as this cell's config, or raise ``CellConflict`` when the rows already here
+        were made with a different one (a changed ``task.n`` or ``max_new_tokens``, say): mixing them
+        would silently corrupt the cell. Bookkeeping keys (results_dir, tracking, ...) may change."""
+        import yaml
+
+        if self.config_path.exists() and (self.rows_path.exists() or self.summary_path.exists()):
+            old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
+            diff = config_differences(semantic_config(old, evicts), semantic_config(config, evicts))
+            if diff:
+                shown = "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "")
+                raise CellConflict(
+                    f"{self.dir} holds results of a different config ({shown}). Rerun with the old settings "
+                    "to resume it, choose another sweep_name, or delete the cell directory to start it over")
+        self.write_config(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+
+    def clear_error(self) -> None:
+        (self.dir / ERROR).unlink(missing_ok=True)
 
 
 def summarize(rows: list[dict[str, Any]], expected: int) -> dict[str, Any]:
@@ -124,6 +189,34 @@ def summarize(rows: list[dict[str, Any]], expected: int) -> dict[str, Any]:
         if rows and key in rows[0]:
             summary[key] = rows[0][key]
     return summary
+
+
+def write_error(cell_dir: str | os.PathLike, message: str) -> None:
+    """Why a cell could not run, for the sweep's end-of-run report and for the user."""
+    path = Path(cell_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write(path / ERROR, message if message.endswith("\n") else message + "\n")
+
+
+def failed_cells(root: str | os.PathLike, since: float | None = None) -> list[tuple[Path, str]]:
+    """Cells under ``root`` holding an ``error.txt`` (written at or after ``since``), with its first line."""
+    out = []
+    for path in sorted(Path(root).rglob(ERROR)):
+        try:
+            if since is not None and path.stat().st_mtime < since:
+                continue
+            lines = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+        except OSError:
+            continue
+        out.append((path.parent, _headline(lines)))
+    return out
+
+
+def _headline(lines: list[str]) -> str:
+    """A traceback's last line says what went wrong; a kvbench message is its first."""
+    if not lines:
+        return "(empty error.txt)"
+    return lines[-1] if lines[0].startswith("Traceback") else lines[0]
 
 
 def iter_cells(root: str | os.PathLike) -> Iterator[Path]:

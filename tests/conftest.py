@@ -1,12 +1,17 @@
 """Shared fixtures: a tiny random Llama for fast exact checks, SmolLM2 for the real-model ones."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvbench.models import LoadedModel, load_model
+
+# Tests never reach the Hugging Face hub: local files only, and nothing may hang on a network call.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"

@@ -64,22 +64,25 @@ class RetrievalTask(Task):
         return out
 
     def render(self, example: Example, tokenizer: Any) -> RenderedPrompt:
-        """Grow filler sentence by sentence until the rendered prompt reaches ``context_tokens``."""
+        """Grow filler until the prompt reaches ``context_tokens``, then trim whole sentences to fit."""
         rng = random.Random(example.meta["rng_seed"] + "-filler")
         intro = "Below is a long text. A piece of information is hidden in it; find it and answer the question.\n\n"
-        needle = example.meta["needle"]
-        overhead = len(encode(tokenizer, intro + needle + "\n\n" + example.question)) + 16
+        overhead = len(encode(tokenizer, intro + example.meta["needle"] + "\n\n" + example.question))
         sentences: list[str] = []
         used = 0
         while used < self.context_tokens - overhead:
-            s = filler_sentence(rng)
-            sentences.append(s)
-            used += len(encode(tokenizer, " " + s))
-        at = round(example.meta["depth"] * len(sentences))
-        body = " ".join(sentences[:at] + [needle] + sentences[at:])
-        text = f"{intro}{body}\n\n{example.question}"
-        ids = render_ids(tokenizer, text, self.chat_template)
+            sentences.append(filler_sentence(rng))
+            used += len(encode(tokenizer, " " + sentences[-1]))
+        ids = self._ids(example, tokenizer, intro, sentences)
+        while len(ids) > self.context_tokens and sentences:
+            sentences.pop()
+            ids = self._ids(example, tokenizer, intro, sentences)
         return RenderedPrompt(input_ids=ids, n_prompt_tokens_raw=len(ids))
+
+    def _ids(self, example: Example, tokenizer: Any, intro: str, sentences: list[str]) -> list[int]:
+        at = round(example.meta["depth"] * len(sentences))
+        body = " ".join(sentences[:at] + [example.meta["needle"]] + sentences[at:])
+        return render_ids(tokenizer, f"{intro}{body}\n\n{example.question}", self.chat_template)
 
     def generation(self, example: Example) -> GenerationSettings:
         return GenerationSettings(max_new_tokens=self.max_new_tokens)

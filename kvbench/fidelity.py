@@ -1,0 +1,238 @@
+"""Full-cache references: generated once per example and settings, kept on disk, shared by every
+policy and budget that is scored against them.
+
+A reference is what the full cache does with one rendered prompt: for a generation task its greedy
+(or seeded sampled) output, for a teacher-forced task (perplexity) its next-token distributions
+along a given text. Either way it stores the output tokens and, per step, the full cache's top-``K``
+next-token log-probabilities (see :mod:`kvbench.metrics.fidelity`), so a compressed run needs only
+one extra teacher-forced pass of its own to get top-1 agreement and KL.
+
+One JSON file per reference, ``<root>/<sha256 of the key>.json``. The key names everything that
+decides the full cache's output: the model (name, source, path, dtype and device as loaded, torch and
+transformers versions), the task and example, a hash of the prompt ids (context and suffix apart),
+the decoding settings (max_new_tokens, stop strings, sampling, and the seed when sampling), the
+prefill chunk (``stride``; chunking changes float rounding), the kind and ``K``. Policy, budget and
+stage are not in it. Writes are atomic (temp file + rename) and a per-key ``flock`` makes concurrent
+processes compute each reference once: the second one waits and then reads the first one's file.
+"""
+from __future__ import annotations
+
+import base64
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.metrics.fidelity import LogitSummary, summarize_logits, token_nll
+
+log = logging.getLogger("kvbench")
+
+FORMAT_VERSION = 1
+# Full-cache tokens kept per step for the KL (plus one bucket for the rest of the vocabulary).
+TOP_K = 256
+REFERENCE_DIR_ENV = "KVBENCH_REFERENCES"
+
+
+@dataclass
+class Reference:
+    """The full cache's output for one example: tokens, text and per-step top-K log-probabilities."""
+
+    tokens: list[int]
+    text: str
+    stop_reason: str
+    summary: LogitSummary
+    nll: list[float] | None = None  # teacher-forced references: NLL of each forced token
+    key: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "key": self.key,
+            "tokens": self.tokens,
+            "text": self.text,
+            "stop_reason": self.stop_reason,
+            "nll": self.nll,
+            "shape": list(self.summary.ids.shape),
+            "topk_ids": _pack(self.summary.ids.numpy().astype(np.int32)),
+            "topk_logprobs": _pack(self.summary.logprobs.numpy().astype(np.float32)),
+            "rest_logprob": _pack(self.summary.rest.numpy().astype(np.float32)),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Reference":
+        shape = tuple(data["shape"])
+        summary = LogitSummary(
+            ids=torch.from_numpy(_unpack(data["topk_ids"], np.int32).reshape(shape)).long(),
+            logprobs=torch.from_numpy(_unpack(data["topk_logprobs"], np.float32).reshape(shape)),
+            rest=torch.from_numpy(_unpack(data["rest_logprob"], np.float32).reshape(shape[:1])),
+        )
+        return cls(tokens=list(data["tokens"]), text=data["text"], stop_reason=data["stop_reason"],
+                   summary=summary, nll=data.get("nll"), key=data.get("key", {}))
+
+
+def _pack(array: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()).decode()
+
+
+def _unpack(text: str, dtype: Any) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+
+
+# ---------------------------------------------------------------- keys
+
+
+def model_identity(model_cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """What decides a model's numbers: its config (less where it is cached) and how it was loaded."""
+    import transformers
+
+    cfg = {k: v for k, v in sorted(model_cfg.items()) if k != "cache_dir"}
+    return {"config": cfg, "device": device.type, "dtype": str(dtype).replace("torch.", ""),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def prompt_hash(input_ids: list[int], suffix_ids: list[int], extra: list[int] | None = None) -> str:
+    payload = json.dumps([list(input_ids), list(suffix_ids), list(extra or [])], separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def decode_identity(settings: DecodeSettings) -> dict[str, Any]:
+    """The settings that change what is generated; the seed only matters when sampling."""
+    out = asdict(settings)
+    if not settings.do_sample:
+        out = {k: v for k, v in out.items() if k not in ("seed", "temperature", "top_p")}
+    return out
+
+
+def key_digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------- store
+
+
+class ReferenceStore:
+    """References under one directory; each is computed at most once, across processes too."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self._memory: dict[str, Reference] = {}
+        self.computed = 0  # how many references this store computed (the rest were read)
+
+    def path(self, key: dict[str, Any]) -> Path:
+        return self.root / f"{key_digest(key)}.json"
+
+    def load(self, key: dict[str, Any]) -> Reference | None:
+        digest = key_digest(key)
+        if digest in self._memory:
+            return self._memory[digest]
+        path = self.root / f"{digest}.json"
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            log.warning("unreadable reference %s (%s); recomputing it", path, err)
+            return None
+        if data.get("format") != FORMAT_VERSION or data.get("key") != json.loads(json.dumps(key, default=str)):
+            return None
+        ref = Reference.from_json(data)
+        self._memory[digest] = ref
+        return ref
+
+    def get_or_create(self, key: dict[str, Any], compute: Callable[[], Reference]) -> Reference:
+        """The stored reference for ``key``, computing and storing it first if nobody has."""
+        found = self.load(key)
+        if found is not None:
+            return found
+        self.root.mkdir(parents=True, exist_ok=True)
+        digest = key_digest(key)
+        with (self.root / f".{digest}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process computing it: wait, then read its file
+            try:
+                found = self.load(key)
+                if found is not None:
+                    return found
+                ref = compute()
+                ref.key = json.loads(json.dumps(key, default=str))
+                path = self.root / f"{digest}.json"
+                tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+                tmp.write_text(json.dumps(ref.to_json()), encoding="utf-8")
+                os.replace(tmp, path)
+                self.computed += 1
+                self._memory[digest] = ref
+                return ref
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+_STORES: dict[str, ReferenceStore] = {}
+
+
+def store_at(root: str | os.PathLike) -> ReferenceStore:
+    """One store object per directory and process, so its in-memory copies are reused across cells."""
+    path = str(Path(root).expanduser().resolve())
+    if path not in _STORES:
+        _STORES[path] = ReferenceStore(path)
+    return _STORES[path]
+
+
+def default_reference_dir() -> Path:
+    """Where references go when the runner names no directory: ``$KVBENCH_REFERENCES``; inside a
+    ``kvbench-run`` job, ``<results_dir>/.references``; else ``$KVBENCH_CACHE/references``."""
+    explicit = os.environ.get(REFERENCE_DIR_ENV)
+    if explicit:
+        return Path(explicit)
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        # configs/config.yaml sets hydra.sweep.dir to ${results_dir}/${sweep_name} for runs and sweeps alike.
+        sweep_dir = Path(str(HydraConfig.get().sweep.dir))
+        return sweep_dir.parent / ".references"
+    base = os.environ.get("KVBENCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvbench")
+    return Path(base) / "references"
+
+
+# ---------------------------------------------------------------- computing references
+
+
+def full_policy():
+    from kvbench.policies.registry import build_policy
+
+    return build_policy({"name": "full"})
+
+
+def generated_reference(lm: Any, input_ids: list[int], suffix_ids: list[int], settings: DecodeSettings,
+                        stride: int | None, top_k: int = TOP_K) -> Reference:
+    """The full cache's generation for a prompt, with its per-step top-K log-probabilities."""
+    g = generate(lm.model, lm.tokenizer, input_ids, full_policy(), 1.0, "prefill", settings,
+                 suffix_ids=suffix_ids, stride=stride, return_logits=True)
+    return Reference(tokens=list(g.tokens), text=g.text, stop_reason=g.stop_reason,
+                     summary=summarize_logits(g.logits, top_k))
+
+
+def forced_reference(lm: Any, input_ids: list[int], targets: list[int], settings: DecodeSettings,
+                     stride: int | None, top_k: int = TOP_K) -> Reference:
+    """The full cache teacher-forced along ``targets``: each target's NLL and the top-K per step."""
+    g = generate(lm.model, lm.tokenizer, input_ids, full_policy(), 1.0, "prefill", settings,
+                 stride=stride, forced_tokens=targets, return_logits=True)
+    return Reference(tokens=list(targets), text="", stop_reason="forced",
+                     summary=summarize_logits(g.logits, top_k), nll=token_nll(g.logits, targets).tolist())
+
+
+def reference_key(kind: str, lm: Any, spec: Any, example_id: str, prompt_digest: str,
+                  settings: DecodeSettings, top_k: int = TOP_K) -> dict[str, Any]:
+    return {"format": FORMAT_VERSION, "kind": kind, "model": model_identity(spec.model, lm.device, lm.dtype),
+            "task": spec.task_id, "example": str(example_id), "prompt": prompt_digest,
+            "decode": decode_identity(settings), "stride": spec.stride, "top_k": top_k}
