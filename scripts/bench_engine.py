@@ -1,0 +1,259 @@
+"""Benchmark the engine itself: overhead against transformers' ``generate``, how decode cost grows with
+context under a fixed budget, what each policy's statistics cost, prefill peak memory, and every
+decode speed as a fraction of the memory-bandwidth floor (weight bytes per token / read bandwidth).
+
+    python scripts/bench_engine.py                      # SmolLM2, the README's table
+    python scripts/bench_engine.py --model tiny-llama --contexts 256 512 --quick
+
+Medians over repeated runs after a warm-up; CPU here, CUDA when present.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import torch
+from omegaconf import OmegaConf
+
+from kvbench.engine import measure
+from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.models import LoadedModel, load_model
+from kvbench.policies.registry import build_policy
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+STATISTICS_POLICIES = ["h2o", "scissorhands", "tova", "roco", "snapkv", "vatp", "mean_window", "accumulated_robust"]
+
+
+def policy(name: str) -> Any:
+    return build_policy(OmegaConf.to_container(OmegaConf.load(CONFIGS / "policy" / f"{name}.yaml"), resolve=True))
+
+
+def available(names: list[str]) -> list[str]:
+    return [n for n in names if (CONFIGS / "policy" / f"{n}.yaml").exists()]
+
+
+def median_of(fn: Callable[[], float], repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def read_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s a full read of a large buffer achieves (a reduction touches every byte once)."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device=device)
+    x.sum()
+
+    def once() -> float:
+        t = measure.now(device)
+        x.sum()
+        return measure.now(device) - t
+
+    seconds = median_of(once, repeats)
+    return x.numel() * 4 / seconds
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters read per decoded token (tied matrices counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def prompt_ids(lm: LoadedModel, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(100, min(lm.model.config.vocab_size, 20000), (n,), generator=g).tolist()
+
+
+def hf_generate_times(lm: LoadedModel, ids: list[int], new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds per token) of transformers' generate, greedy, same tokens."""
+    x = torch.tensor([ids], device=lm.device)
+
+    def run(n: int) -> float:
+        t = measure.now(lm.device)
+        lm.model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return measure.now(lm.device) - t
+
+    prefill = run(1)
+    total = run(new_tokens)
+    return prefill, (total - prefill) / (new_tokens - 1)
+
+
+def kvbench_times(lm: LoadedModel, ids: list[int], name: str, budget: float | int, stage: str, new_tokens: int,
+                  stride: int | None = None) -> tuple[float, float]:
+    """(prefill seconds, median decode seconds per token) of one kvbench generation."""
+    lm.model.generation_config.eos_token_id = None  # always decode exactly new_tokens
+    g = generate(lm.model, lm.tokenizer, ids, policy(name), budget, stage, DecodeSettings(max_new_tokens=new_tokens),
+                 stride=stride)
+    return g.prefill_s, statistics.median(g.decode_latencies_s)
+
+
+def peak_rss_during(fn: Callable[[], Any]) -> int:
+    """Peak resident bytes above the level before ``fn``, sampled every millisecond (CPU)."""
+    proc = psutil.Process()
+    base = proc.memory_info().rss
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    fn()
+    done.set()
+    thread.join()
+    return peak[0] - base
+
+
+def prefill_peak(lm: LoadedModel, ids: list[int], name: str, stride: int | None) -> int:
+    def run() -> None:
+        generate(lm.model, lm.tokenizer, ids, policy(name), 512, "prefill", DecodeSettings(max_new_tokens=1),
+                 stride=stride)
+
+    if lm.device.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(lm.device)
+        torch.cuda.reset_peak_memory_stats(lm.device)
+        run()
+        return torch.cuda.max_memory_allocated(lm.device) - base
+    return peak_rss_during(run)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny-llama"])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--overhead-context", type=int, default=1024)
+    ap.add_argument("--policy-context", type=int, default=4096)
+    ap.add_argument("--memory-contexts", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--stride", type=int, default=1024, help="prefill chunk for the fixed-budget runs")
+    ap.add_argument("--out", default="results/bench_engine")
+    args = ap.parse_args()
+
+    source = "embedded" if args.model == "smollm2-135m" else "tiny"
+    lm = load_model(args.model, source=source)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"device": str(lm.device), "dtype": str(lm.dtype), "threads": torch.get_num_threads()}
+
+    bandwidth = read_bandwidth(lm.device)
+    floor_s = weight_bytes(lm.model) / bandwidth
+    report.update(bandwidth_gb_s=bandwidth / 1e9, weight_mb=weight_bytes(lm.model) / 1e6, floor_ms=floor_s * 1e3)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, weights {weight_bytes(lm.model) / 1e6:.0f} MB, "
+          f"floor {floor_s * 1e3:.2f} ms/token")
+
+    ids = prompt_ids(lm, args.overhead_context)
+    kvbench_times(lm, ids[:64], "full", 1.0, "prefill", 4)  # warm-up
+    hf_generate_times(lm, ids[:64], 4)
+    hf = [hf_generate_times(lm, ids, args.new_tokens) for _ in range(args.repeats)]
+    kv = [kvbench_times(lm, ids, "full", 1.0, "prefill", args.new_tokens) for _ in range(args.repeats)]
+    hf_prefill, hf_step = statistics.median(p for p, _ in hf), statistics.median(s for _, s in hf)
+    kv_prefill, kv_step = statistics.median(p for p, _ in kv), statistics.median(s for _, s in kv)
+    report["overhead"] = {
+        "context": args.overhead_context, "hf_prefill_s": hf_prefill, "kvbench_prefill_s": kv_prefill,
+        "hf_decode_ms": hf_step * 1e3, "kvbench_decode_ms": kv_step * 1e3,
+        "prefill_ratio": hf_prefill / kv_prefill, "decode_tokens_per_s_ratio": hf_step / kv_step,
+        "hf_floor_fraction": floor_s / hf_step, "kvbench_floor_fraction": floor_s / kv_step,
+    }
+    print("overhead:", json.dumps(report["overhead"], indent=1))
+
+    growth: dict[str, dict[int, float]] = {}
+    for name in ["full"] + available(["window", "h2o", "roco"]):
+        growth[name] = {}
+        for n in args.contexts:
+            ctx = prompt_ids(lm, n)
+            budget, stage = (1.0, "prefill") if name == "full" else (args.budget, "both")
+            steps = [kvbench_times(lm, ctx, name, budget, stage, args.new_tokens, args.stride)[1]
+                     for _ in range(args.repeats)]
+            growth[name][n] = statistics.median(steps) * 1e3
+            print(f"decode {name:>12} @ {n:>5}: {growth[name][n]:.2f} ms/token")
+    report["growth_ms"] = growth
+
+    ctx = prompt_ids(lm, args.policy_context)
+    per_policy = {}
+    for name in ["window", "full"] + available(STATISTICS_POLICIES + ["streamingllm", "random", "knorm",
+                                                                     "pyramidkv", "adakv"]):
+        if name in per_policy:
+            continue
+        budget, stage = (1.0, "prefill") if name == "full" else (args.budget * 2, "both")
+        steps = [kvbench_times(lm, ctx, name, budget, stage, args.new_tokens, args.stride)[1]
+                 for _ in range(args.repeats)]
+        per_policy[name] = statistics.median(steps) * 1e3
+    report["policy_ms"] = per_policy
+    report["policy_vs_window"] = {k: v / per_policy["window"] for k, v in per_policy.items()}
+    for k, v in per_policy.items():
+        print(f"policy {k:>18}: {v:.2f} ms/token = {v / per_policy['window']:.2f} x window")
+
+    memory: dict[str, dict[int, int]] = {}
+    for name in ["full"] + available(["h2o", "roco", "snapkv", "tova"]):
+        memory[name] = {n: prefill_peak(lm, prompt_ids(lm, n), name, None) for n in args.memory_contexts}
+        print(f"prefill peak {name:>8}:", {n: f"{b / 1e6:.0f} MB" for n, b in memory[name].items()})
+    report["prefill_peak_bytes"] = memory
+
+    (out / "bench_engine.json").write_text(json.dumps(report, indent=2))
+    plot_growth(growth, out / "decode_cost_growth.png", floor_s * 1e3)
+    print(markdown(report))
+
+
+def plot_growth(growth: dict[str, dict[int, float]], path: Path, floor_ms: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(3.3, 2.4))
+    for name, points in growth.items():
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], marker="o", label=name, linestyle="--" if name == "full" else "-")
+    ax.axhline(floor_ms, color="grey", linewidth=0.8, linestyle=":", label="bandwidth floor")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode ms / token")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=200)
+
+
+def markdown(r: dict[str, Any]) -> str:
+    o = r["overhead"]
+    lines = [
+        f"Device {r['device']} ({r['threads']} threads), {r['dtype']}; read bandwidth {r['bandwidth_gb_s']:.1f} GB/s, "
+        f"weights {r['weight_mb']:.0f} MB, floor {r['floor_ms']:.2f} ms/token.",
+        "",
+        "| measure | transformers generate | kvbench full | ratio |",
+        "| --- | --- | --- | --- |",
+        f"| prefill s @ {o['context']} | {o['hf_prefill_s']:.3f} | {o['kvbench_prefill_s']:.3f} | {o['prefill_ratio']:.2f} |",
+        f"| decode ms/token | {o['hf_decode_ms']:.2f} | {o['kvbench_decode_ms']:.2f} | {o['decode_tokens_per_s_ratio']:.2f} |",
+        f"| fraction of bandwidth floor | {o['hf_floor_fraction']:.2f} | {o['kvbench_floor_fraction']:.2f} | |",
+        "",
+        "| decode ms/token | " + " | ".join(str(c) for c in next(iter(r["growth_ms"].values()))) + " | growth |",
+        "| --- |" + " --- |" * (len(next(iter(r["growth_ms"].values()))) + 1),
+    ]
+    for name, pts in r["growth_ms"].items():
+        xs = sorted(pts)
+        lines.append(f"| {name} | " + " | ".join(f"{pts[x]:.2f}" for x in xs) + f" | {pts[xs[-1]] / pts[xs[0]] - 1:+.0%} |")
+    lines += ["", "| policy @ context | ms/token | × window |", "| --- | --- | --- |"]
+    for name, ms in r["policy_ms"].items():
+        lines.append(f"| {name} | {ms:.2f} | {r['policy_vs_window'][name]:.2f} |")
+    lines += ["", "| prefill peak above baseline | " + " | ".join(
+        str(c) for c in next(iter(r["prefill_peak_bytes"].values()))) + " |",
+        "| --- |" + " --- |" * len(next(iter(r["prefill_peak_bytes"].values())))]
+    for name, pts in r["prefill_peak_bytes"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{b / 1e6:.0f} MB" for b in pts.values()) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
