@@ -79,3 +79,228 @@ def test_full_never_evicts_and_unknown_parts_are_named():
 
     with pytest.raises(ValueError, match="unknown score 'nope'"):
         build_policy({"name": "x", "score": "nope"})
+
+
+# ---------------------------------------------------------------------------- the zoo's parts
+# Each score on small tensors against a plain NumPy reference; kept sets are the reference's top-k.
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from kvbench.engine.attention import attention_statistics  # noqa: E402
+from kvbench.policies.allocation import Adaptive, Pyramid  # noqa: E402
+from kvbench.policies.base import Allocation  # noqa: E402
+from kvbench.policies.merge import merge_evicted  # noqa: E402
+from kvbench.policies.scopes import Robust, last_n  # noqa: E402
+from kvbench.policies.scores import (  # noqa: E402
+    Accumulated, Hits, KeyNorm, LastQuery, MeanAttention, ObservationWindow, SharedAcrossHeads, ValueAware,
+    attention_mean_std,
+)
+
+RNG = np.random.default_rng(7)
+H, N, W = 2, 10, 4
+ACC = RNG.random((H, N)) * 3
+COUNT = RNG.integers(1, 12, (H, N)).astype(np.float64)
+LAST = RNG.random((H, N))
+QLOG = RNG.random((H, W, N)) * (RNG.random((H, W, N)) > 0.3) / 5
+NVIS = RNG.integers(4, 12, (H, W)).astype(np.float64)
+KEYS = RNG.normal(size=(H, N, 4))
+VALUES = RNG.normal(size=(H, N, 4))
+
+
+def rich_state(phase: str = "prefill") -> TokenState:
+    t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    return TokenState(keys=t(KEYS), values=t(VALUES), positions=torch.arange(N).repeat(H, 1),
+                      stats={"acc": t(ACC), "count": t(COUNT), "last": t(LAST), "qlog": t(QLOG), "qlog_nvis": t(NVIS)},
+                      phase=phase)
+
+
+def np_pool(x: np.ndarray, k: int, kind: str) -> np.ndarray:
+    pad = k // 2
+    fill = 0.0 if kind == "avg" else -np.inf
+    padded = np.pad(x, ((0, 0), (pad, pad)), constant_values=fill)
+    windows = np.stack([padded[:, i : i + x.shape[1]] for i in range(k)])
+    return windows.mean(0) if kind == "avg" else windows.max(0)
+
+
+REFERENCES = {
+    "accumulated": (Accumulated(), ACC),
+    "mean": (MeanAttention(), ACC / COUNT),
+    "last": (LastQuery(), LAST),
+    "hits": (Hits(history=W, threshold=1.5), ((QLOG >= 1.5 / NVIS[..., None]) & (QLOG > 0)).sum(1)),
+    "snapkv_avg": (ObservationWindow(window=W, kernel_size=3, pooling="avg"), np_pool(QLOG.sum(1), 3, "avg")),
+    "snapkv_max": (ObservationWindow(window=W, kernel_size=5, pooling="max"), np_pool(QLOG.sum(1), 5, "max")),
+    "key_norm": (KeyNorm(), -np.linalg.norm(KEYS, axis=-1)),
+    "value_aware": (ValueAware(base="accumulated", p=1), ACC * np.abs(VALUES).sum(-1)),
+    "value_aware_mean_l2": (ValueAware(base="mean", p=2), ACC / COUNT * np.linalg.norm(VALUES, axis=-1)),
+    "tova_shared": (SharedAcrossHeads(LastQuery()), np.tile(LAST.mean(0), (H, 1))),
+}
+
+
+@pytest.mark.parametrize("name", list(REFERENCES))
+def test_score_matches_numpy_reference_and_keeps_its_top_k(name):
+    score, expected = REFERENCES[name]
+    got = score(rich_state()).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    budget = 4
+    keep = Policy(name, score, Everything()).select(rich_state(), budget).numpy()
+    for h in range(H):
+        ranked = np.argsort(-expected[h], kind="stable")
+        if expected[h][ranked[budget - 1]] == expected[h][ranked[budget]]:
+            continue  # a tie at the cut: either kept set is right
+        assert keep[h].tolist() == sorted(ranked[:budget].tolist()), (h, expected[h])
+
+
+def test_hits_worked_by_hand():
+    """History of 4 queries, each saw 5 tokens (uniform share 0.2). Hits per token: 4, 0, 2, 1, 3."""
+    rows = torch.tensor([[0.30, 0.10, 0.25, 0.05, 0.30],
+                         [0.40, 0.15, 0.10, 0.20, 0.15],
+                         [0.25, 0.05, 0.30, 0.10, 0.30],
+                         [0.20, 0.19, 0.10, 0.19, 0.32]])
+    s = TokenState(positions=torch.arange(5).view(1, 5), stats={"qlog": rows.view(1, 4, 5), "qlog_nvis": torch.full((1, 4), 5.0)})
+    assert Hits(history=4)(s).tolist() == [[4, 0, 2, 1, 3]]
+    assert Policy("sh", Hits(history=4), Everything()).select(s, 2).tolist() == [[0, 4]]
+    # Slots never written (nvis 0) hit nothing.
+    empty = TokenState(positions=torch.arange(5).view(1, 5), stats={"qlog": torch.zeros(1, 4, 5), "qlog_nvis": torch.zeros(1, 4)})
+    assert Hits(history=4)(empty).sum() == 0
+
+
+def test_snapkv_pooling_brings_neighbours():
+    """One strongly attended token: avg pooling (kernel 3) lifts its two neighbours above the rest."""
+    obs = torch.tensor([[0.0, 0.01, 0.0, 0.9, 0.0, 0.02, 0.0, 0.03]])
+    s = TokenState(positions=torch.arange(8).view(1, 8), stats={"qlog": obs.view(1, 1, 8), "qlog_nvis": torch.ones(1, 1)})
+    assert Policy("s", ObservationWindow(window=1, kernel_size=3), Everything()).select(s, 3).tolist() == [[2, 3, 4]]
+    assert Policy("s", ObservationWindow(window=1, kernel_size=1), Everything()).select(s, 3).tolist() == [[3, 5, 7]]
+
+
+def np_attention_history(n_queries: int, n: int, seed: int) -> np.ndarray:
+    """Rows of a causal attention history: query i (i = n - n_queries ...) sees keys 0..i."""
+    rng = np.random.default_rng(seed)
+    rows = np.zeros((n_queries, n))
+    for r, i in enumerate(range(n - n_queries, n)):
+        p = rng.random(i + 1) ** 3
+        rows[r, : i + 1] = p / p.sum()
+    return rows
+
+
+@pytest.mark.parametrize("phase, n_std", [("prefill", 2), ("decode", 4)])
+def test_robust_scope_protects_sinks_recent_and_highest_std(phase, n_std):
+    n, budget = 12, 8
+    rows = np_attention_history(12, n, seed=3)
+    seen = rows > 0
+    count = seen.sum(0)
+    mean = rows.sum(0) / count
+    std = np.sqrt((rows**2).sum(0) / count - mean**2)
+    np.testing.assert_allclose(std, [rows[seen[:, j], j].std() for j in range(n)], atol=1e-12)
+    stats = {"acc": torch.tensor(rows.sum(0)).view(1, n).float(), "sumsq": torch.tensor((rows**2).sum(0)).view(1, n).float(),
+             "count": torch.tensor(count).view(1, n).float()}
+    s = TokenState(positions=torch.arange(n).view(1, n), stats=stats, phase=phase)
+    scope = Robust(n_sink=2, n_recent=2, rho_prefill=0.25, rho_decode=0.5)  # floor(rho * 8) = 2 or 4
+    middle = np.arange(2, n - 2)
+    top_std = middle[np.argsort(-std[middle])[:n_std]]
+    expected = sorted({0, 1, n - 2, n - 1} | set(top_std.tolist()))
+    assert scope.protected(s, budget)[0].nonzero().flatten().tolist() == expected
+    torch.testing.assert_close(attention_mean_std(stats)[1][0], torch.tensor(std).float(), rtol=1e-4, atol=1e-6)
+    # The score fills the rest of the budget among unprotected tokens.
+    keep = Policy("p", Accumulated(), scope).select(s, budget)[0].tolist()
+    rest = [j for j in np.argsort(-rows.sum(0)) if j not in expected][: budget - len(expected)]
+    assert keep == sorted(expected + [int(j) for j in rest])
+    assert scope.min_budget() == 5
+    assert scope.std_count(5, "decode") == 1  # capped: 2 sinks + 2 recent leave one slot
+
+
+def test_scopes_on_heads_of_different_lengths():
+    """Under per-head allocation heads are padded: 'newest' ends at each head's own length."""
+    valid = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    s = TokenState(positions=torch.tensor([[0, 1, 2, 3, 4, 5], [0, 2, 5, 9, 0, 0]]), stats={}, valid=valid)
+    assert last_n(s, 2).tolist() == [[False] * 4 + [True] * 2, [False, False, True, True, False, False]]
+    assert SinksAndWindow(n_sink=1, window=1).protected(s, 3).nonzero().tolist() == [[0, 0], [0, 5], [1, 0], [1, 3]]
+
+
+def test_pyramid_budgets_by_hand():
+    # B=100, 5 layers, 10 reserved, beta 20: free 90, top 10 + 4.5, bottom 10 + 180 - 4.5, linear:
+    # 185.5, 142.75, 100, 57.25, 14.5 -> rounded keeping the total 500.
+    assert Pyramid(beta=20).layer_budgets(100, 5, None, 10) == [186, 143, 100, 57, 14]
+    capped = Pyramid(beta=20).layer_budgets(100, 5, 120, 10)
+    assert sum(capped) == 500 and max(capped) == 120 and capped == sorted(capped, reverse=True)
+    assert Pyramid().layer_budgets(100, 4, 90, 0) == [90] * 4  # budget >= what a layer holds: nothing evicts
+    assert min(Pyramid().layer_budgets(20, 8, None, 6)) >= 7  # every layer keeps its reserve plus one
+    assert Allocation().layer_budgets(7, 3) == [7, 7, 7]
+
+
+def test_adaptive_split_by_hand():
+    scores = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5], [0.1, 0.05, 0.3, 0.02, 0.01]])
+    # Budget 3 per head, total 6. floor 0.34 -> one guaranteed per head (its best); the 4 other slots go to
+    # the highest remaining scores, all in head 0.
+    keep = Adaptive(floor=0.34).keep(scores, None, 3)
+    assert keep.tolist() == [[True] * 5, [False, False, True, False, False]]
+    # floor 0.67 -> two guaranteed per head; the two free slots to head 0's next best.
+    keep = Adaptive(floor=0.67).keep(scores, None, 3)
+    assert keep.tolist() == [[True, True, True, True, False], [True, False, True, False, False]]
+    # A protected entry (+inf) always stays, and padding never does.
+    protected = scores.clone()
+    protected[1, 4] = float("inf")
+    valid = torch.tensor([[True] * 5, [True] * 5])
+    keep = Adaptive(floor=0.0).keep(protected, valid, 3)
+    assert keep[1, 4] and keep.sum() == 6
+    valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    keep = Adaptive(floor=0.0).keep(scores, valid, 2)
+    assert keep.sum() == 4 and not keep[1, 2:].any()
+
+
+def test_merge_evicted_by_hand():
+    keys = torch.tensor([[[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [0.8, -0.1]]])
+    values = torch.arange(10, dtype=torch.float32).view(1, 5, 2)
+    w = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    keep = torch.tensor([[True, False, True, False, False]])
+    k, v, absorbed = merge_evicted(keys, values, w, keep)
+    # 1 and 4 fold into 0 (cosine), 3 into 2.
+    torch.testing.assert_close(k[0, 0], (1 * keys[0, 0] + 2 * keys[0, 1] + 5 * keys[0, 4]) / 8)
+    torch.testing.assert_close(k[0, 2], (3 * keys[0, 2] + 4 * keys[0, 3]) / 7)
+    torch.testing.assert_close(v[0, 0], (1 * values[0, 0] + 2 * values[0, 1] + 5 * values[0, 4]) / 8)
+    torch.testing.assert_close(v[0, 2], (3 * values[0, 2] + 4 * values[0, 3]) / 7)
+    assert absorbed.tolist() == [[7.0, 0.0, 4.0, 0.0, 0.0]]
+    torch.testing.assert_close(k[0, [1, 3, 4]], keys[0, [1, 3, 4]])  # evicted rows untouched (dropped later)
+
+
+def np_statistics(q: np.ndarray, k: np.ndarray, past: int, visible: np.ndarray, history: int):
+    """Dense reference: softmax per query head with the engine's mask, mean over each KV head's group."""
+    hq, nq, _ = q.shape
+    hkv, n, d = k.shape
+    group = hq // hkv
+    probs = np.zeros((hkv, nq, n))
+    nvis = np.zeros((hkv, nq))
+    for h in range(hq):
+        kv = h // group
+        logits = q[h] @ k[kv].T / np.sqrt(d)
+        allowed = np.arange(n)[None, :] <= (np.arange(nq)[:, None] + past)
+        allowed[:, :past] &= visible[kv][None, :]
+        logits = np.where(allowed, logits, -np.inf)
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        probs[kv] += p / p.sum(1, keepdims=True) / group
+        nvis[kv] = allowed.sum(1)
+    r = min(nq, history)
+    return {"acc": probs.sum(1), "sumsq": (probs**2).sum(1), "last": probs[:, -1],
+            "qlog": probs[:, nq - r :], "qlog_nvis": nvis[:, nq - r :]}
+
+
+@pytest.mark.parametrize("block", [1 << 22, 7])
+def test_attention_statistics_match_dense_reference_in_any_block_size(block, monkeypatch):
+    import kvbench.engine.attention as attention
+
+    monkeypatch.setattr(attention, "STATS_BLOCK_ELEMENTS", block)  # 7: one query per block
+    rng = np.random.default_rng(5)
+    q, k = rng.normal(size=(4, 5, 8)), rng.normal(size=(2, 9, 8))
+    visible = np.array([[True, False, True, True], [False, True, True, True]])
+    expected = np_statistics(q, k, 4, visible, history=3)
+    got = attention_statistics(torch.tensor(q).float().unsqueeze(0), torch.tensor(k).float().unsqueeze(0), 8**-0.5, 4,
+                               torch.tensor(visible), frozenset({"acc", "sumsq", "last", "qlog"}), history=3)
+    for name, ref in expected.items():
+        np.testing.assert_allclose(got[name].numpy(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
+    # Policies reading only the last query(s) compute only those rows, to the same values.
+    for needs in ({"last"}, {"qlog"}, {"last", "qlog"}):
+        got = attention_statistics(torch.tensor(q).float().unsqueeze(0), torch.tensor(k).float().unsqueeze(0),
+                                   8**-0.5, 4, torch.tensor(visible), frozenset(needs), history=3)
+        assert set(got) == set(needs) | ({"qlog_nvis"} if "qlog" in needs else set())
+        for name in got:
+            np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-5, atol=1e-6, err_msg=name)

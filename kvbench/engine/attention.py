@@ -1,9 +1,11 @@
 """The attention function kvbench registers with transformers.
 
 The output comes from transformers' own SDPA path (a fused kernel), with a mask this function builds
-per layer: causal inside the new chunk, every kept past entry visible. Only the statistics the
-policy asks for are computed, a block of queries at a time, so no n×n matrix is ever held. Once the
-output exists the cache folds the statistics in and evicts: the step's own queries count.
+per layer: causal inside the new chunk, every kept past entry visible (except what the layer's
+``visible_past`` hides: masked replay, or the padding of a per-head-allocated layer's view). Only the
+statistics the policy asks for are computed, a block of queries at a time, so no n×n matrix is ever
+held; a policy that needs none (window, key norm, random) pays nothing. Once the output exists the
+cache folds the statistics in and evicts: the step's own queries count.
 """
 from __future__ import annotations
 
@@ -31,27 +33,50 @@ def visibility(past: int, q_start: int, q_end: int, n: int, visible_past: torch.
 
 
 def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float, past: int,
-                         visible_past: torch.Tensor | None, needs: frozenset[str]) -> dict[str, torch.Tensor]:
-    """Per KV head and key: sums over this step's queries of the attention probability (and its square),
-    and the last query's row. Query heads of a GQA group are averaged into their KV head."""
+                         visible_past: torch.Tensor | None, needs: frozenset[str],
+                         history: int = 0) -> dict[str, torch.Tensor]:
+    """The per-token statistics the policy needs from this step's attention, per KV head and key:
+
+    - ``acc`` / ``sumsq``: sums over the step's queries of the attention probability (and of its square);
+    - ``last``: the last query's row;
+    - ``qlog`` [hkv, r, n] and ``qlog_nvis`` [hkv, r]: the rows of the step's last r = min(q, history) queries
+      and how many keys each of them could see (the layer keeps them in a ring of ``history`` rows).
+
+    GQA: probabilities are computed per query head, then the query heads of a group are reduced to their
+    KV head by the MEAN (a group's heads share the cached entry, so the entry's importance is their average).
+    Queries are processed in blocks of at most ``STATS_BLOCK_ELEMENTS`` probabilities: no n×n matrix.
+    """
     _, hq, q, dim = query.shape
     hkv, n = key.shape[1], key.shape[2]
     group = hq // hkv
     qh = query[0].reshape(hkv, group, q, dim).to(torch.float32)
     kh = key[0].to(torch.float32)
     out = {name: torch.zeros(hkv, n, device=key.device) for name in ("acc", "sumsq") if name in needs}
+    log_from = q - min(q, history) if "qlog" in needs else q
+    if log_from < q:
+        out["qlog"] = torch.zeros(hkv, q - log_from, n, device=key.device)
+        out["qlog_nvis"] = torch.zeros(hkv, q - log_from, device=key.device)
+    # Sums need every query; the last row and the query log only the step's last queries.
+    first = 0 if out.keys() & {"acc", "sumsq"} else min(log_from, q - 1 if "last" in needs else q)
     block = max(1, STATS_BLOCK_ELEMENTS // (hq * n))
-    for start in range(0, q, block):
+    for start in range(first, q, block):
         end = min(q, start + block)
         logits = torch.einsum("hgqd,hnd->hgqn", qh[:, :, start:end], kh) * scaling
-        allowed = visibility(past, start, end, n, visible_past, key.device).unsqueeze(1)
-        probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1).mean(dim=1)  # [hkv, qb, n]
+        allowed = visibility(past, start, end, n, visible_past, key.device)  # [hkv or 1, qb, n]
+        if visible_past is not None or end - start > 1 or past + start + 1 < n:
+            logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        probs = logits.softmax(dim=-1).mean(dim=1)  # [hkv, qb, n]
         if "acc" in out:
             out["acc"] += probs.sum(dim=1)
         if "sumsq" in out:
             out["sumsq"] += probs.square().sum(dim=1)
         if "last" in needs and end == q:
             out["last"] = probs[:, -1]
+        if end > log_from:
+            lo = max(start, log_from)
+            out["qlog"][:, lo - log_from : end - log_from] = probs[:, lo - start :]
+            nvis = allowed[:, lo - start :].sum(dim=-1).to(torch.float32)
+            out["qlog_nvis"][:, lo - log_from : end - log_from] = nvis.expand(hkv, -1)
     return out
 
 
@@ -74,8 +99,9 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0)
     output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
                                        is_causal=mask is None and q > 1)
-    needs = cache.policy.needs
-    stats = attention_statistics(query, key, scaling, past, layer.visible_past, needs) if cache.policy.needs_attention else {}
+    policy = cache.policy
+    stats = (attention_statistics(query, key, scaling, past, layer.visible_past, policy.needs, policy.history)
+             if policy.needs_attention else {})
     cache.after_attention(module.layer_idx, q, stats)
     return output, None
 

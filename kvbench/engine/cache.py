@@ -3,18 +3,38 @@
 Each layer keeps, per KV head, the absolute position of every kept token and the per-token
 statistics its policy asked for. Eviction gathers the kept rows to the front of the same buffers,
 so memory never grows past the capacity fixed before the run.
+
+Two layer layouts:
+
+- ``BudgetedLayer`` (uniform allocation): buffers [1, H, capacity, D]; every head holds the same count.
+- ``PooledLayer`` (per-head allocation, Ada-KV): heads hold different counts, so the layer stores one flat
+  pool of rows [1, 1, H × capacity, D], each row one (head, token) entry tagged with its head. Only kept
+  entries are stored (no padding): resident bytes are rows × bytes per row, exactly what the tensors hold,
+  and the pool's capacity equals the uniform layout's (the layer total never exceeds H × budget). For the
+  attention kernel the layer gathers, per step, a padded [1, H, longest head + new, D] view whose padding
+  is masked out (``visible_past``); that view is transient compute workspace, freed after the layer's
+  attention, not cache memory.
+
+Both store K/V through ``KVStore``: the model's dtype, or int8/fp8 codes with float32 per-entry scales
+(``policy.quantize``); resident bytes count the codes and the scales.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.policies.base import Policy, TokenState
+from kvbench.policies.merge import merge_evicted
+from kvbench.policies.positions import Rotary, find_rotary
+from kvbench.policies.quantize import Quantizer
 
-# Per-token statistics a layer can keep; each is a float32 buffer [kv_heads, capacity].
-STAT_NAMES = ("acc", "sumsq", "count", "last", "hits")
+# Per-token statistics a layer can keep; each is a float32 buffer [kv_heads, capacity] ("mass": attention
+# mass merged into an entry). Scores reading a query log also get ``qlog`` [kv_heads, history, capacity]
+# (a ring of the most recent queries' attention rows) and ``qlog_nvis`` [kv_heads, history].
+STAT_NAMES = ("acc", "sumsq", "count", "last", "mass")
 
 
 @dataclass
@@ -25,7 +45,69 @@ class LayerPlan:
     capacity: int
 
 
-class BudgetedLayer(CacheLayerMixin):
+class KVStore:
+    """Pre-allocated K/V rows [1, G, capacity, D]: plain (model dtype) or quantised (codes + scales)."""
+
+    def __init__(self, groups: int, capacity: int, k_dim: int, v_dim: int, dtype: torch.dtype,
+                 device: torch.device, quantizer: Quantizer | None):
+        self.quantizer, self.dtype = quantizer, dtype
+        store = dtype if quantizer is None else quantizer.storage_dtype
+        self.k = torch.zeros(1, groups, capacity, k_dim, dtype=store, device=device)
+        self.v = torch.zeros(1, groups, capacity, v_dim, dtype=store, device=device)
+        self.k_scale = self.v_scale = None
+        if quantizer is not None:
+            self.k_scale = torch.zeros(1, groups, capacity, 1, dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(1, groups, capacity, 1, dtype=torch.float32, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows ``start ...`` of every group: k [G, q, D]."""
+        end = start + k.shape[1]
+        if self.quantizer is None:
+            self.k[0, :, start:end] = k
+            self.v[0, :, start:end] = v
+            return
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            c, s = self.quantizer.quantize(x)
+            codes[0, :, start:end] = c
+            scales[0, :, start:end] = s
+
+    def _decode(self, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return codes if self.quantizer is None else self.quantizer.dequantize(codes, scales, self.dtype)
+
+    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``end`` rows of every group, [G, end, D] (views of the buffers when plain)."""
+        ks = None if self.k_scale is None else self.k_scale[0, :, :end]
+        vs = None if self.v_scale is None else self.v_scale[0, :, :end]
+        return self._decode(self.k[0, :, :end], ks), self._decode(self.v[0, :, :end], vs)
+
+    def gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``idx`` (any shape) of a single-group store, [*idx.shape, D]."""
+        flat = idx.reshape(-1)
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[0, 0].index_select(0, flat).view(*idx.shape, t.shape[-1])
+
+        return (self._decode(take(self.k), take(self.k_scale)), self._decode(take(self.v), take(self.v_scale)))
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Move rows ``keep`` [G, k] of every group to the front, in place."""
+        k = keep.shape[-1]
+        idx = keep.unsqueeze(-1)
+        for t in self.tensors():
+            t[0, :, :k] = t[0].gather(1, idx.expand(-1, -1, t.shape[-1]))
+
+    def row_bytes(self) -> int:
+        """Bytes one row (one token of one group) holds: K and V, plus their scales when quantised."""
+        return sum(t.shape[-1] * t.element_size() for t in self.tensors())
+
+    def capacity_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class _LayerBase(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
@@ -35,28 +117,64 @@ class BudgetedLayer(CacheLayerMixin):
         self.plan = plan
         self.policy = policy
         self.cache = cache
-        self.length = 0
         self.positions: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
-        # Replay support: which kept past entries the next step may see, [kv_heads, length] bool.
+        self.qlog: torch.Tensor | None = None
+        self.qlog_nvis: torch.Tensor | None = None
+        self.qlog_next = 0
+        # Which past entries the next step may see ([kv_heads, past] bool; None = all): masked replay, and
+        # the padding of a PooledLayer's per-step view.
         self.visible_past: torch.Tensor | None = None
 
-    # -- transformers' layer contract ------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, dim = key_states.shape
-        if batch != 1:
+    def get_max_length(self) -> int:
+        return self.plan.capacity
+
+    def _init_store(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int, rows: int) -> None:
+        if key_states.shape[0] != 1:
             raise ValueError("BudgetedCache runs one sequence at a time (batch size 1)")
-        cap = self.plan.capacity
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.keys = torch.zeros(1, heads, cap, dim, dtype=key_states.dtype, device=self.device)
-        self.values = torch.zeros(1, heads, cap, value_states.shape[-1], dtype=value_states.dtype, device=self.device)
-        self.positions = torch.zeros(heads, cap, dtype=torch.long, device=self.device)
+        self.store = KVStore(groups, rows, key_states.shape[-1], value_states.shape[-1], key_states.dtype,
+                             self.device, self.policy.quantize)
+        self.keys, self.values = self.store.k, self.store.v
+        self.positions = torch.zeros(groups, rows, dtype=torch.long, device=self.device)
         self.stats = {
-            name: torch.zeros(heads, cap, dtype=torch.float32, device=self.device)
+            name: torch.zeros(groups, rows, dtype=torch.float32, device=self.device)
             for name in self.policy.needs
             if name in STAT_NAMES
         }
+        history = self.policy.history if "qlog" in self.policy.needs else 0
+        if history:
+            self.qlog = torch.zeros(groups, history, rows, dtype=torch.float32, device=self.device)
+            self.qlog_nvis = torch.zeros(key_states.shape[1], history, dtype=torch.float32, device=self.device)
         self.is_initialized = True
+
+    def _ring_slots(self, r: int) -> torch.Tensor:
+        slots = (self.qlog_next + torch.arange(r, device=self.device)) % self.qlog.shape[1]
+        self.qlog_next += r
+        return slots
+
+    def _stored_keys(self, key_states: torch.Tensor) -> torch.Tensor:
+        """What is written: the keys as rotated by the model, or un-rotated under positions=reindex."""
+        rotary = self.cache.rotary
+        if rotary is None:
+            return key_states
+        return rotary.rotate(key_states, -self.cache.step_model_positions.view(1, -1))
+
+    def _merge_inputs(self, state: TokenState) -> torch.Tensor:
+        weights = state.stats["acc"]
+        return weights + state.stats["mass"] if "mass" in state.stats else weights
+
+
+class BudgetedLayer(_LayerBase):
+    """Uniform allocation: buffers [1, kv_heads, capacity, D], every head holding ``length`` tokens."""
+
+    def __init__(self, layer_idx: int, plan: LayerPlan, policy: Policy, cache: "BudgetedCache"):
+        super().__init__(layer_idx, plan, policy, cache)
+        self.length = 0
+
+    # -- transformers' layer contract ------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._init_store(key_states, value_states, key_states.shape[1], self.plan.capacity)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -67,12 +185,17 @@ class BudgetedLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"layer {self.layer_idx}: {end} tokens exceed the pre-allocated capacity {self.plan.capacity}"
             )
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
+        self.store.write(self.length, self._stored_keys(key_states)[0], value_states[0])
         self.positions[:, self.length : end] = self.cache.step_positions
         for buf in self.stats.values():
             buf[:, self.length : end] = 0.0
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        if self.qlog is not None:
+            self.qlog[:, :, self.length : end] = 0.0
+        keys, values = self.store.read(end)
+        if self.cache.rotary is not None:  # contiguous run ending at the step's last fed position
+            start = int(self.cache.step_model_positions[0]) - self.length
+            keys = self.cache.rotary.rotate(keys, torch.arange(start, start + end, device=self.device).view(1, -1))
+        return keys.unsqueeze(0), values.unsqueeze(0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -80,13 +203,13 @@ class BudgetedLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.length
 
-    def get_max_length(self) -> int:
-        return self.plan.capacity
-
     def reset(self) -> None:
         self.length = 0
 
     # -- kvbench's own steps -----------------------------------------------------------------
+    def max_head_length(self) -> int:
+        return self.length
+
     def observe(self, n_new: int, stats: dict[str, torch.Tensor]) -> None:
         """Fold this step's attention statistics in and count the new tokens as held."""
         total = self.length + n_new
@@ -101,71 +224,286 @@ class BudgetedLayer(CacheLayerMixin):
             self.stats["count"][:, self.length : total] += torch.arange(
                 n_new, 0, -1, device=self.device, dtype=torch.float32
             )
+        if self.qlog is not None and "qlog" in stats:
+            slots = self._ring_slots(stats["qlog"].shape[1])
+            self.qlog[:, slots, :total] = stats["qlog"]
+            self.qlog_nvis[:, slots] = stats["qlog_nvis"]
         self.length = total
 
     def state(self) -> TokenState:
         n = self.length
+        stats = {k: v[:, :n] for k, v in self.stats.items()}
+        if self.qlog is not None:
+            stats["qlog"], stats["qlog_nvis"] = self.qlog[:, :, :n], self.qlog_nvis
         return TokenState(
-            keys=self.keys[0, :, :n],
-            values=self.values[0, :, :n],
             positions=self.positions[:, :n],
-            stats={k: v[:, :n] for k, v in self.stats.items()},
+            stats=stats,
             layer_idx=self.layer_idx,
             generator=self.cache.generator,
+            phase=self.cache.phase,
+            load_kv=lambda: self.store.read(n),
         )
 
     def evict_to_budget(self) -> None:
         budget = self.plan.budget
         if budget is None or self.length <= budget:
             return
-        keep = self.policy.select(self.state(), budget)  # [kv_heads, budget] sorted indices
+        state = self.state()
+        keep = self.policy.select(state, budget)  # [kv_heads, budget] sorted indices
+        merged = None
+        if self.policy.merge:
+            mask = torch.zeros_like(state.positions, dtype=torch.bool).scatter_(1, keep, True)
+            merged = merge_evicted(state.keys, state.values, self._merge_inputs(state), mask)
         self.compact(keep)
+        if merged is not None:
+            k_new, v_new, absorbed = merged
+            idx = keep.unsqueeze(-1)
+            self.store.write(0, k_new.gather(1, idx.expand(-1, -1, k_new.shape[-1])).to(self.dtype),
+                             v_new.gather(1, idx.expand(-1, -1, v_new.shape[-1])).to(self.dtype))
+            self.stats["mass"][:, : keep.shape[-1]] += absorbed.gather(1, keep)
 
     def compact(self, keep: torch.Tensor) -> None:
         """Move the kept rows of every buffer to the front, in place."""
         k = keep.shape[-1]
-        idx = keep.unsqueeze(0).unsqueeze(-1)
-        self.keys[:, :, :k] = self.keys.gather(2, idx.expand(-1, -1, -1, self.keys.shape[-1]))
-        self.values[:, :, :k] = self.values.gather(2, idx.expand(-1, -1, -1, self.values.shape[-1]))
+        self.store.compact(keep)
         self.positions[:, :k] = self.positions.gather(1, keep)
         for buf in self.stats.values():
             buf[:, :k] = buf.gather(1, keep)
+        if self.qlog is not None:
+            self.qlog[:, :, :k] = self.qlog.gather(2, keep.unsqueeze(1).expand(-1, self.qlog.shape[1], -1))
         self.length = k
+
+    def kept_positions(self) -> torch.Tensor:
+        return self.positions[:, : self.length].clone()
+
+    def tokens_held(self) -> float:
+        return float(self.length)
 
     def resident_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        per_token = self.keys.shape[1] * (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
-        return self.length * per_token
+        return self.length * self.store.k.shape[1] * self.store.row_bytes()
 
     def capacity_bytes(self) -> int:
+        return self.store.capacity_bytes() if self.is_initialized else 0
+
+
+class PooledLayer(_LayerBase):
+    """Per-head allocation: one pool of (head, token) rows; head h holds ``lengths[h]`` of them.
+
+    Rows carry their head (``row_head``) and absolute position; each head's rows are in sequence order
+    (compaction keeps order, new rows are appended), so a stable sort by head lists every head's entries.
+    ``length`` is the mean count per head (what the layer holds per head, on average).
+    """
+
+    def __init__(self, layer_idx: int, plan: LayerPlan, policy: Policy, cache: "BudgetedCache"):
+        super().__init__(layer_idx, plan, policy, cache)
+        self.rows = 0
+        self.heads = 0
+        self.lengths: torch.Tensor | None = None
+        self.view_index: torch.Tensor | None = None
+        self.view_valid: torch.Tensor | None = None
+
+    @property
+    def length(self) -> float:
+        return self.rows / self.heads if self.heads else 0.0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.heads = key_states.shape[1]
+        self._init_store(key_states, value_states, 1, self.heads * self.plan.capacity)
+        self.row_head = torch.zeros(self.heads * self.plan.capacity, dtype=torch.long, device=self.device)
+        self.lengths = torch.zeros(self.heads, dtype=torch.long, device=self.device)
+
+    def index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per head, its rows in sequence order padded to the longest head: (rows [H, L], valid [H, L])."""
+        order = torch.sort(self.row_head[: self.rows], stable=True).indices
+        longest = int(self.lengths.max()) if self.rows else 0
+        valid = torch.arange(longest, device=self.device).unsqueeze(0) < self.lengths.unsqueeze(1)
+        idx = torch.zeros(self.heads, longest, dtype=torch.long, device=self.device)
+        idx[valid] = order
+        return idx, valid
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+            self.lazy_initialization(key_states, value_states)
+        h, q = key_states.shape[1], key_states.shape[2]
+        if self.rows + h * q > self.store.k.shape[2]:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: {self.rows + h * q} rows exceed the pre-allocated pool {self.store.k.shape[2]}"
+            )
+        past_idx, past_valid = self.index()
+        lengths_before = self.lengths.clone()
+        start, end = self.rows, self.rows + h * q
+        new_rows = torch.arange(start, end, device=self.device).view(h, q)
+        stored = self._stored_keys(key_states)[0]
+        self.store.write(start, stored.reshape(1, h * q, -1), value_states[0].reshape(1, h * q, -1))
+        self.row_head[start:end] = torch.arange(h, device=self.device).repeat_interleave(q)
+        self.positions[0, start:end] = self.cache.step_positions.repeat(h)
+        for buf in self.stats.values():
+            buf[0, start:end] = 0.0
+        if self.qlog is not None:
+            self.qlog[0, :, start:end] = 0.0
+        self.rows = end
+        self.lengths += q
+        self.view_index = torch.cat([past_idx, new_rows], dim=1)
+        self.view_valid = torch.cat([past_valid, torch.ones(h, q, dtype=torch.bool, device=self.device)], dim=1)
+        self.visible_past = None if bool(past_valid.all()) else past_valid
+        keys, values = self.store.gather(self.view_index)
+        if self.cache.rotary is not None:
+            p = int(self.cache.step_model_positions[0])
+            cols = torch.arange(self.view_index.shape[1], device=self.device).unsqueeze(0)
+            past = past_idx.shape[1]
+            pos = torch.where(cols < past, p - lengths_before.unsqueeze(1) + cols, p + cols - past)
+            keys = self.cache.rotary.rotate(keys, pos)
+        return keys.unsqueeze(0), values.unsqueeze(0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_head_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.max_head_length()
+
+    def reset(self) -> None:
+        self.rows = 0
+        if self.lengths is not None:
+            self.lengths.zero_()
+
+    def max_head_length(self) -> int:
+        return int(self.lengths.max()) if self.lengths is not None and self.rows else 0
+
+    def observe(self, n_new: int, stats: dict[str, torch.Tensor]) -> None:
+        """Stats arrive in the step's padded view [H, past + new]; scatter them back to the pool rows."""
+        sel = self.view_valid
+        rows = self.view_index[sel]
+        for name, value in stats.items():
+            if name == "last":
+                self.stats["last"][0, rows] = value[sel]
+            elif name in self.stats:
+                self.stats[name][0, rows] += value[sel]
+        past = self.view_index.shape[1] - n_new
+        if "count" in self.stats:
+            past_rows = self.view_index[:, :past][sel[:, :past]]
+            self.stats["count"][0, past_rows] += n_new
+            new_rows = self.view_index[:, past:].reshape(-1)
+            steps = torch.arange(n_new, 0, -1, device=self.device, dtype=torch.float32)
+            self.stats["count"][0, new_rows] += steps.repeat(self.heads)
+        if self.qlog is not None and "qlog" in stats:
+            slots = self._ring_slots(stats["qlog"].shape[1])
+            held = self.rows
+            self.qlog[0][:, :held][slots] = 0.0
+            vals = stats["qlog"].permute(1, 0, 2)[:, sel]  # [r, entries]
+            self.qlog[0][slots.unsqueeze(1), rows.unsqueeze(0)] = vals
+            self.qlog_nvis[:, slots] = stats["qlog_nvis"]
+
+    def state(self) -> TokenState:
+        idx, valid = self.index()
+        self.state_index = idx
+        mask = valid.to(torch.float32)
+        stats = {name: buf[0][idx] * mask for name, buf in self.stats.items()}
+        if self.qlog is not None:
+            stats["qlog"] = self.qlog[0][:, idx].permute(1, 0, 2) * mask.unsqueeze(1)
+            stats["qlog_nvis"] = self.qlog_nvis
+        return TokenState(
+            positions=self.positions[0][idx].masked_fill(~valid, 0),
+            stats=stats,
+            layer_idx=self.layer_idx,
+            generator=self.cache.generator,
+            phase=self.cache.phase,
+            valid=None if bool(valid.all()) else valid,
+            load_kv=lambda: self.store.gather(idx),
+        )
+
+    def evict_to_budget(self) -> None:
+        budget = self.plan.budget
+        if budget is None or self.rows <= self.heads * budget:
+            return
+        state = self.state()
+        idx = self.state_index
+        keep = self.policy.keep_mask(state, budget)  # [H, L], per-head counts vary, layer total H × budget
+        merged = None
+        if self.policy.merge:
+            merged = merge_evicted(state.keys, state.values, self._merge_inputs(state), keep, state.valid)
+        kept_rows = idx[keep]  # head-major, sequence order within each head
+        self.compact(kept_rows)
+        self.lengths = keep.sum(dim=1)
+        if merged is not None:
+            k_new, v_new, absorbed = merged
+            self.store.write(0, k_new[keep].unsqueeze(0).to(self.dtype), v_new[keep].unsqueeze(0).to(self.dtype))
+            self.stats["mass"][0, : kept_rows.shape[0]] += absorbed[keep]
+
+    def compact(self, kept_rows: torch.Tensor) -> None:
+        k = kept_rows.shape[0]
+        keep = kept_rows.unsqueeze(0)
+        self.store.compact(keep)
+        self.row_head[:k] = self.row_head[kept_rows]
+        self.positions[:, :k] = self.positions.gather(1, keep)
+        for buf in self.stats.values():
+            buf[:, :k] = buf.gather(1, keep)
+        if self.qlog is not None:
+            self.qlog[0, :, :k] = self.qlog[0][:, kept_rows]
+        self.rows = k
+
+    def kept_positions(self) -> torch.Tensor:
+        """[H, longest head]; a head holding fewer entries repeats its newest position (a set, for replay)."""
+        idx, valid = self.index()
+        pos = self.positions[0][idx]
+        last = pos.gather(1, (self.lengths - 1).clamp_min(0).unsqueeze(1))
+        return torch.where(valid, pos, last)
+
+    def head_lengths(self) -> list[int]:
+        return self.lengths.tolist() if self.lengths is not None else []
+
+    def tokens_held(self) -> float:
+        return self.length
+
+    def resident_bytes(self) -> int:
+        return self.rows * self.store.row_bytes() if self.is_initialized else 0
+
+    def capacity_bytes(self) -> int:
+        return self.store.capacity_bytes() if self.is_initialized else 0
 
 
 @dataclass
 class CacheStats:
-    kept_per_layer: list[int] = field(default_factory=list)
+    kept_per_layer: list[float] = field(default_factory=list)
     resident_bytes: int = 0
     capacity_bytes: int = 0
 
 
 class BudgetedCache(Cache):
-    """One ``BudgetedLayer`` per decoder layer, sharing the policy and the positions of the step."""
+    """One layer per decoder layer (``PooledLayer`` under per-head allocation), sharing the policy and the
+    positions of the step. ``model`` is needed only for ``positions: reindex`` (its rotary embedding)."""
 
-    def __init__(self, plans: list[LayerPlan], policy: Policy, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, plans: list[LayerPlan], policy: Policy, seed: int = 0, device: torch.device | str = "cpu",
+                 model: Any = None):
         self.policy = policy
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.step_positions = torch.zeros(0, dtype=torch.long, device=device)
+        self.step_model_positions = self.step_positions
         self.evicting = False
-        super().__init__(layers=[BudgetedLayer(i, plan, policy, self) for i, plan in enumerate(plans)])
+        self.phase = "prefill"
+        self.rotary: Rotary | None = None
+        if policy.positions == "reindex":
+            if model is None:
+                raise ValueError("positions=reindex needs the model (its rotary embedding) to build the cache")
+            self.rotary = find_rotary(model)
+        layer_cls = PooledLayer if policy.allocation.per_head else BudgetedLayer
+        super().__init__(layers=[layer_cls(i, plan, policy, self) for i, plan in enumerate(plans)])
 
-    def begin_step(self, positions: torch.Tensor, evicting: bool) -> None:
-        """Set the absolute positions of the tokens about to be fed and whether this step may evict."""
+    def begin_step(self, positions: torch.Tensor, evicting: bool, phase: str = "prefill") -> torch.Tensor:
+        """Set the absolute positions of the tokens about to be fed, whether this step may evict and the phase
+        ("prefill" for prompt chunks, "decode" for generated tokens). Returns the positions to feed the model:
+        the same absolute positions, or under ``positions: reindex`` the next contiguous positions."""
         self.step_positions = positions
         self.evicting = evicting
+        self.phase = phase
+        if self.rotary is None:
+            self.step_model_positions = positions
+        else:
+            held = max((layer.max_head_length() for layer in self.layers if layer.is_initialized), default=0)
+            self.step_model_positions = held + torch.arange(positions.shape[0], device=positions.device)
+        return self.step_model_positions
 
     def after_attention(self, layer_idx: int, n_new: int, stats: dict[str, torch.Tensor]) -> None:
         """Called by the attention function once the layer's output is computed (H2O's order)."""
@@ -177,11 +515,11 @@ class BudgetedCache(Cache):
 
     def summary(self) -> CacheStats:
         return CacheStats(
-            kept_per_layer=[layer.length for layer in self.layers],
+            kept_per_layer=[layer.tokens_held() for layer in self.layers],
             resident_bytes=sum(layer.resident_bytes() for layer in self.layers),
             capacity_bytes=sum(layer.capacity_bytes() for layer in self.layers),
         )
 
     def kept_positions(self) -> list[torch.Tensor]:
-        """Per layer, the absolute positions held by each KV head, [kv_heads, kept]."""
-        return [layer.positions[:, : layer.length].clone() for layer in self.layers]
+        """Per layer, the absolute positions held by each KV head, [kv_heads, kept] (see PooledLayer for ragged)."""
+        return [layer.kept_positions() for layer in self.layers]

@@ -146,7 +146,7 @@ def generate(
 
     ``suffix_ids`` are fed after the context is compressed (a question the policy must not see
     while compressing). ``layer_budgets(budget, n_layers) -> list[int]`` splits the budget across
-    layers (uniform when None). ``forced_tokens`` teacher-forces the decode (fidelity metrics).
+    layers (the policy's allocation when None). ``forced_tokens`` teacher-forces the decode (fidelity metrics).
     ``replay_trace`` (the ``trace`` of another run, used with the full cache) masks every step's
     past down to what that run held, which must give that run's logits.
     """
@@ -171,14 +171,17 @@ def generate(
             f"budget of {budget_tokens} tokens is below what policy {policy.name!r} protects "
             f"({policy.scope.min_budget()} tokens); raise the budget or lower n_sink/window"
         )
-    per_layer = (
-        layer_budgets(budget_tokens, n_layers) if (layer_budgets and budget_tokens is not None)
-        else [budget_tokens] * n_layers
-    )
+    if budget_tokens is None:
+        per_layer = [None] * n_layers
+    elif layer_budgets:
+        per_layer = layer_budgets(budget_tokens, n_layers)
+    else:  # the policy's allocation (uniform, pyramid, ...); no layer needs more than it will ever hold
+        limit = context if stage == "prefill" else context + suffix + settings.max_new_tokens
+        per_layer = policy.layer_budgets(budget_tokens, n_layers, limit)
     plans = [
         LayerPlan(b, plan_capacity(stage, b, context, suffix, settings.max_new_tokens, chunk)) for b in per_layer
     ]
-    cache = BudgetedCache(plans, policy, seed=settings.seed, device=device)
+    cache = BudgetedCache(plans, policy, seed=settings.seed, device=device, model=model)
     cache_kw = cache_argument(model)
     sampler = torch.Generator(device=device)
     sampler.manual_seed(settings.seed)
@@ -189,7 +192,7 @@ def generate(
 
     n_forwards = 0
 
-    def forward(ids: list[int], start: int, evicting: bool) -> torch.Tensor:
+    def forward(ids: list[int], start: int, evicting: bool, phase: str) -> torch.Tensor:
         nonlocal resident_peak, n_forwards
         positions = torch.arange(start, start + len(ids), device=device)
         if replay_trace is not None and n_forwards > 0:
@@ -197,10 +200,10 @@ def generate(
                 visible = torch.zeros(held.shape[0], start, dtype=torch.bool, device=device)
                 layer.visible_past = visible.scatter_(1, held.to(device), True)
         n_forwards += 1
-        cache.begin_step(positions, evicting)
+        fed_positions = cache.begin_step(positions, evicting, phase)  # absolute, or reindexed in the cache
         out = model(
             input_ids=torch.tensor([ids], device=device),
-            position_ids=positions.unsqueeze(0),
+            position_ids=fed_positions.unsqueeze(0),
             use_cache=True,
             logits_to_keep=1,
             kvbench_cache=cache,
@@ -216,10 +219,10 @@ def generate(
         t0 = measure.now(device)
         prefill_evicts = stage in ("prefill", "both")
         for start in range(0, context, chunk):
-            logits = forward(input_ids[start : start + chunk], start, prefill_evicts)
+            logits = forward(input_ids[start : start + chunk], start, prefill_evicts, "prefill")
         kept_after_prefill = [layer.length for layer in cache.layers]
         if suffix:
-            logits = forward(suffix_ids, context, False)
+            logits = forward(suffix_ids, context, False, "prefill")
         t_prefill = measure.now(device)
         token = int(choose_token(logits, settings, sampler)) if not forced_tokens else forced_tokens[0]
         t_first = measure.now(device)
@@ -240,7 +243,7 @@ def generate(
                 stop_reason = "stop_string"
                 break
             t_step = measure.now(device)
-            logits = forward([token], position, decode_evicts)
+            logits = forward([token], position, decode_evicts, "decode")
             token = int(choose_token(logits, settings, sampler))
             if forced_tokens:
                 token = forced_tokens[len(tokens)]

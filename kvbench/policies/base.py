@@ -1,37 +1,115 @@
-"""A policy is an importance score, an eviction scope and a budget allocation (RoCo's split).
+"""A policy is an importance score, an eviction scope and a budget allocation (RoCo's split), plus extras.
 
-``select`` keeps, per KV head, every token the scope protects and fills the rest of the budget
-with the highest-scoring candidates. Named policies only choose the parts.
+``Score`` ranks a layer's held tokens per KV head, ``Scope`` shields some of them from eviction whatever
+their score, ``Allocation`` splits the budget across layers and (optionally) across the heads of a layer.
+The extras compose with any of them: ``merge`` folds evicted entries into kept ones, ``quantize`` stores
+kept entries as int8/fp8, ``positions`` chooses absolute RoPE positions or StreamingLLM's re-indexing.
+
+Named policies only choose the parts (configs/policy/*.yaml).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+PHASES = ("prefill", "decode")
+# Statistics that can only be had by computing attention probabilities (the others are free).
+ATTENTION_STATS = frozenset({"acc", "sumsq", "last", "qlog"})
+POSITION_MODES = ("absolute", "reindex")
 
-@dataclass
+
 class TokenState:
-    """What a layer holds right now, per KV head: ``keys`` [H, n, D], ``positions`` [H, n], stats [H, n]."""
+    """What a layer holds right now, per KV head.
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
-    stats: dict[str, torch.Tensor]
-    layer_idx: int
-    generator: torch.Generator | None = None
+    ``positions`` [H, n] (absolute sequence positions), ``stats`` {name: [H, n]} plus, when a score keeps a
+    query log, ``qlog`` [H, W, n] and ``qlog_nvis`` [H, W]; ``keys``/``values`` [H, n, D] (loaded lazily:
+    quantised or pooled layers only dequantise/gather them when a part reads them).
+
+    ``valid`` is None when every head holds the same ``n`` tokens. Under per-head allocation heads hold
+    different counts; the state is then padded to the longest head and ``valid`` [H, n] marks real entries:
+    each head's entries are front-aligned and in sequence order, padding comes after them. Padding entries
+    have zero statistics and are never protected or kept.
+
+    ``phase`` is "prefill" while the prompt is being encoded and "decode" while tokens are generated.
+    """
+
+    def __init__(
+        self,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        stats: dict[str, torch.Tensor] | None = None,
+        layer_idx: int = 0,
+        generator: torch.Generator | None = None,
+        phase: str = "prefill",
+        valid: torch.Tensor | None = None,
+        load_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ):
+        if positions is None:
+            raise ValueError("TokenState needs positions")
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} must be one of {PHASES}")
+        self._keys, self._values, self._load_kv = keys, values, load_kv
+        self.positions = positions
+        self.stats = stats or {}
+        self.layer_idx = layer_idx
+        self.generator = generator
+        self.phase = phase
+        self.valid = valid
+
+    def _load(self) -> None:
+        if self._load_kv is None:
+            raise ValueError("this TokenState carries no keys/values")
+        self._keys, self._values = self._load_kv()
+        self._load_kv = None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        if self._keys is None:
+            self._load()
+        return self._keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self._values is None:
+            self._load()
+        return self._values
 
     @property
     def length(self) -> int:
+        """Padded length (the longest head's count)."""
         return self.positions.shape[-1]
+
+    @property
+    def heads(self) -> int:
+        return self.positions.shape[0]
+
+    def lengths(self) -> torch.Tensor:
+        """Tokens held per head, long [H]."""
+        if self.valid is None:
+            return torch.full((self.heads,), self.length, dtype=torch.long, device=self.positions.device)
+        return self.valid.sum(dim=-1)
+
+    def valid_mask(self) -> torch.Tensor:
+        if self.valid is None:
+            return torch.ones_like(self.positions, dtype=torch.bool)
+        return self.valid
 
 
 class Score(ABC):
-    """Importance of each held token; higher is kept first."""
+    """Importance of each held token, float [kv_heads, n]; higher is kept first."""
 
     # Per-token statistics the score reads from ``TokenState.stats`` (see engine.cache.STAT_NAMES).
     needs: frozenset[str] = frozenset()
+    # Rows of the per-layer query log (attention of the most recent queries) the score reads; 0 = none.
+    history: int = 0
+    # Stages in which the score has no meaning (e.g. SnapKV's observation window needs a prompt).
+    unsupported_stages: tuple[str, ...] = ()
+    why_unsupported: str = ""
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -45,11 +123,16 @@ class Scope(ABC):
 
     @abstractmethod
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:
-        """Bool [kv_heads, n]; at most ``budget`` True per head."""
+        """Bool [kv_heads, n]; at most ``budget`` True per head, never True on padding."""
 
     def min_budget(self) -> int:
         """The smallest budget this scope can honour (its fixed protections plus one candidate)."""
         return 1
+
+    def reserved(self, budget: int) -> int:
+        """Tokens the scope protects whatever the scores at this budget (sinks, recent window): what a
+        layer-wise allocation keeps out of its split (PyramidKV spreads only the rest)."""
+        return min(budget, self.min_budget() - 1)
 
 
 def resolve_count(amount: float | int, total: int) -> int:
@@ -59,6 +142,32 @@ def resolve_count(amount: float | int, total: int) -> int:
     return int(amount)
 
 
+class Allocation:
+    """How a budget splits. This base is the uniform split: every layer and every head gets ``budget``."""
+
+    # True when heads of a layer get different budgets (the cache then stores per-head lengths).
+    per_head: bool = False
+
+    def layer_budgets(self, budget: int, n_layers: int, limit: int | None = None, reserved: int = 0) -> list[int]:
+        """Per-layer token budgets (per KV head, on average), summing to ``n_layers × budget``. ``limit`` is the
+        most a layer can ever be asked to hold in an evicting step (a budget above it changes nothing);
+        ``reserved`` is what the scope protects whatever the scores (see ``Scope.reserved``)."""
+        return [budget] * n_layers
+
+    def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int) -> torch.Tensor:
+        """Bool keep mask [H, n]. ``scores`` already carry +inf on protected entries; every head keeps
+        ``budget`` entries (or all it holds, if fewer)."""
+        if valid is not None:
+            scores = scores.masked_fill(~valid, float("-inf"))
+        k = min(budget, scores.shape[-1])
+        idx = torch.topk(scores, k, dim=-1, sorted=False).indices
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
+        return mask if valid is None else mask & valid
+
+    def describe(self) -> str:
+        return "uniform"
+
+
 @dataclass
 class Policy:
     name: str
@@ -66,19 +175,63 @@ class Policy:
     scope: Scope
     evicts: bool = True
     extra_needs: frozenset[str] = field(default_factory=frozenset)
+    allocation: Allocation = field(default_factory=Allocation)
+    # Fold evicted entries into their most similar kept entry (see policies.merge).
+    merge: bool = False
+    # None, or a quantiser (see policies.quantize) applied to every stored entry.
+    quantize: Any = None
+    # "absolute": kept keys keep their true RoPE rotation. "reindex": StreamingLLM's positions within the cache.
+    positions: str = "absolute"
+    # Stages the policy refuses (read by config validation); derived from the score when not given.
+    unsupported_stages: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.positions not in POSITION_MODES:
+            raise ValueError(f"positions {self.positions!r} must be one of {POSITION_MODES}")
+        if self.unsupported_stages is None:
+            self.unsupported_stages = tuple(self.score.unsupported_stages) if self.evicts else ()
 
     @property
     def needs(self) -> frozenset[str]:
-        return self.score.needs | self.scope.needs | self.extra_needs
+        """Per-token statistics the layers keep for this policy (none for a cache that never evicts)."""
+        if not self.evicts:
+            return frozenset()
+        merging = frozenset({"acc", "mass"}) if self.merge else frozenset()
+        return self.score.needs | self.scope.needs | self.extra_needs | merging
 
     @property
     def needs_attention(self) -> bool:
-        return bool(self.needs & {"acc", "sumsq", "last", "hits"})
+        return bool(self.needs & ATTENTION_STATS)
+
+    @property
+    def history(self) -> int:
+        """Rows of recent-query attention each layer keeps (a ring buffer), for scores that read it."""
+        return self.score.history if self.evicts else 0
+
+    @property
+    def why_unsupported(self) -> str:
+        """Why the unsupported stages are refused (one sentence), for messages."""
+        return self.score.why_unsupported
+
+    def layer_budgets(self, budget: int, n_layers: int, limit: int | None = None) -> list[int]:
+        return self.allocation.layer_budgets(budget, n_layers, limit, self.scope.reserved(budget))
+
+    def scored(self, state: TokenState, budget: int) -> torch.Tensor:
+        """Scores with protected entries at +inf and padding at -inf, float32 [H, n]."""
+        scores = self.score(state).to(torch.float32)
+        scores = scores.masked_fill(self.scope.protected(state, budget), float("inf"))
+        if state.valid is not None:
+            scores = scores.masked_fill(~state.valid, float("-inf"))
+        return scores
+
+    def keep_mask(self, state: TokenState, budget: int) -> torch.Tensor:
+        """Bool [H, n]: what each head keeps. ``budget`` is the per-head budget (the average, under
+        per-head allocation: the layer keeps ``heads × budget`` entries in all)."""
+        return self.allocation.keep(self.scored(state, budget), state.valid, budget)
 
     def select(self, state: TokenState, budget: int) -> torch.Tensor:
-        """Indices to keep, [kv_heads, budget], ascending so kept tokens stay in sequence order."""
-        scores = self.score(state).to(torch.float32)
-        protected = self.scope.protected(state, budget)
-        scores = scores.masked_fill(protected, float("inf"))
+        """Indices to keep, [kv_heads, budget], ascending so kept tokens stay in sequence order
+        (heads sharing one length: uniform allocation within the layer)."""
+        scores = self.scored(state, budget)
         keep = torch.topk(scores, budget, dim=-1, sorted=False).indices
         return keep.sort(dim=-1).values

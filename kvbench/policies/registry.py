@@ -1,27 +1,80 @@
-"""Build a ``Policy`` from its config: ``score`` and ``scope`` name their parts and carry their options."""
+"""Build a ``Policy`` from its config.
+
+A policy config names its parts and carries their options (every option is a Hydra override away, e.g.
+``policy.scope.n_sink=8`` or ``policy.allocation.beta=10``)::
+
+    name: h2o
+    score: {kind: accumulated}            # or a bare kind: ``score: accumulated``; ``none`` = full cache
+    scope: {kind: sinks_window, n_sink: 0, window: 0.5}
+    allocation: {kind: uniform}           # uniform | pyramid (beta) | adaptive (floor)
+    merge: false                          # fold evicted entries into their most similar kept entry
+    quantize: none                        # none | int8 | fp8
+    positions: absolute                   # absolute | reindex
+
+A score may carry ``shared: true`` (one kept set per layer: the score averaged over KV heads).
+"""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+from kvbench.policies.allocation import ALLOCATIONS
 from kvbench.policies.base import Policy
+from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scopes import SCOPES, Everything
-from kvbench.policies.scores import SCORES, Recency
+from kvbench.policies.scores import SCORES, Recency, SharedAcrossHeads
+
+POLICY_KEYS = ("name", "score", "scope", "allocation", "merge", "quantize", "positions")
+
+
+def _options(spec: Any) -> dict[str, Any]:
+    return dict(spec) if isinstance(spec, dict) or hasattr(spec, "items") else {"kind": spec}
 
 
 def _part(table: dict[str, type], spec: Any, what: str) -> Any:
-    options = dict(spec) if isinstance(spec, dict) or hasattr(spec, "items") else {"kind": spec}
-    kind = options.pop("kind")
+    options = _options(spec)
+    kind = options.pop("kind", None)
     if kind not in table:
         raise ValueError(f"unknown {what} {kind!r}; choose one of {sorted(table)}")
-    return table[kind](**options)
+    cls = table[kind]
+    params = inspect.signature(cls.__init__).parameters
+    unknown = sorted(set(options) - set(params) - {"self"})
+    if unknown:
+        allowed = sorted(p for p in params if p not in ("self", "args", "kwargs"))
+        raise ValueError(f"{what} {kind!r} has no option {', '.join(unknown)}; its options are {allowed or 'none'}")
+    return cls(**options)
+
+
+def _flag(value: Any, what: str) -> bool:
+    if value in (None, False, "none", "false", "off", 0):
+        return False
+    if value in (True, "true", "on", "cosine", 1):
+        return True
+    raise ValueError(f"{what}={value!r} must be true or false")
 
 
 def build_policy(cfg: dict[str, Any]) -> Policy:
-    """``score: none`` means the full cache: nothing is ever evicted."""
+    """``score: none`` means the full cache: nothing is ever evicted (it may still be quantised)."""
+    cfg = dict(cfg)
+    unknown = sorted(set(cfg) - set(POLICY_KEYS))
+    if unknown:
+        raise ValueError(f"unknown policy key(s) {', '.join(unknown)}; a policy has {', '.join(POLICY_KEYS)}")
     name = cfg["name"]
+    quantize = build_quantizer(cfg.get("quantize"))
+    positions = cfg.get("positions") or "absolute"
+    merge = _flag(cfg.get("merge", False), "merge")
     score_spec = cfg.get("score", "none")
     if score_spec in (None, "none"):
-        return Policy(name=name, score=Recency(), scope=Everything(), evicts=False)
-    score = _part(SCORES, score_spec, "score")
+        return Policy(name=name, score=Recency(), scope=Everything(), evicts=False, quantize=quantize,
+                      positions=positions)
+    options = _options(score_spec)
+    shared = _flag(options.pop("shared", False), "score.shared")
+    score = _part(SCORES, options, "score")
+    if shared:
+        score = SharedAcrossHeads(score)
     scope = _part(SCOPES, cfg.get("scope", "all"), "scope")
-    return Policy(name=name, score=score, scope=scope)
+    allocation = _part(ALLOCATIONS, cfg.get("allocation") or "uniform", "allocation")
+    if allocation.per_head and shared:
+        raise ValueError("score.shared=true keeps one set per layer; it cannot combine with allocation=adaptive")
+    return Policy(name=name, score=score, scope=scope, allocation=allocation, merge=merge, quantize=quantize,
+                  positions=positions)

@@ -1,13 +1,20 @@
-"""Importance scores. Each maps a layer's ``TokenState`` to a float [kv_heads, n]; higher survives."""
+"""Importance scores. Each maps a layer's ``TokenState`` to a float [kv_heads, n]; higher survives.
+
+Attention statistics (``acc``, ``sumsq``, ``count``, ``last``, ``qlog``) are collected by the engine's
+attention function. Grouped-query attention: a statistic is first computed per *query* head, then the
+query heads of a group are reduced to their KV head by the MEAN of their attention probabilities
+(engine.attention.attention_statistics), so every score here is per KV head, the unit the cache stores.
+"""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvbench.policies.base import Score, TokenState
 
 
 class Recency(Score):
-    """Newer tokens matter more: the score is the absolute position."""
+    """Newer tokens matter more: the score is the absolute position (StreamingLLM, sliding window)."""
 
     def __call__(self, state: TokenState) -> torch.Tensor:
         return state.positions.to(torch.float32)
@@ -22,4 +29,168 @@ class RandomScore(Score):
         )
 
 
-SCORES: dict[str, type[Score]] = {"recency": Recency, "random": RandomScore}
+class Accumulated(Score):
+    """H2O's heavy hitters: the attention probability a token received, summed over every query that saw it."""
+
+    needs = frozenset({"acc"})
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        return state.stats["acc"]
+
+
+def attention_mean_std(stats: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: mean and (population) standard deviation of the attention probabilities it received.
+
+    Over the ``count`` queries that could see the token (each query at or after it, while it was held):
+    mean = acc / count, std = sqrt(sumsq / count - mean²). A token no query has seen yet scores 0.
+    """
+    count = stats["count"].clamp_min(1.0)
+    mean = stats["acc"] / count
+    var = (stats["sumsq"] / count - mean.square()).clamp_min(0.0)
+    return mean, var.sqrt()
+
+
+class MeanAttention(Score):
+    """RoCo's mean attention: accumulated attention divided by the number of queries that attended the token,
+    so old tokens are not favoured just for having been seen by more queries."""
+
+    needs = frozenset({"acc", "count"})
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        return state.stats["acc"] / state.stats["count"].clamp_min(1.0)
+
+
+class LastQuery(Score):
+    """TOVA: the attention probability from the most recent query only."""
+
+    needs = frozenset({"last"})
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        return state.stats["last"]
+
+
+class Hits(Score):
+    """ScissorHands' persistence of importance, as a hit count over a history window.
+
+    Let the layer's query log hold the last ``history`` queries it processed (one query per fed token,
+    prefill and decode alike, oldest dropped first). Query i *hits* held token j when j was visible to i
+    and the (GQA group-mean) attention probability a_ij >= threshold / n_i, where n_i is the number of
+    entries query i could see: ``threshold = 1`` means "at least the uniform share", ScissorHands' average
+    attention 1/t. The score of j is its number of hits; tokens that keep being important have the most.
+    (ScissorHands counts the complementary "below average" events and evicts the largest counts; counting
+    hits differs only for tokens younger than the window, which scopes protect as its recent window.)
+    """
+
+    needs = frozenset({"qlog"})
+
+    def __init__(self, history: int = 32, threshold: float = 1.0):
+        if int(history) < 1:
+            raise ValueError(f"history={history} must be >= 1 query")
+        if float(threshold) <= 0:
+            raise ValueError(f"threshold={threshold} must be > 0 (a multiple of the uniform share 1/n)")
+        self.history = int(history)
+        self.threshold = float(threshold)
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        log, nvis = state.stats["qlog"], state.stats["qlog_nvis"]  # [H, W, n], [H, W]
+        bar = torch.where(nvis > 0, self.threshold / nvis.clamp_min(1.0), torch.full_like(nvis, float("inf")))
+        return ((log >= bar.unsqueeze(-1)) & (log > 0)).sum(dim=1).to(torch.float32)
+
+
+class ObservationWindow(Score):
+    """SnapKV: attention from the last ``window`` queries (the prompt's observation window), summed over those
+    queries, then pooled over neighbouring held entries (1-D ``pooling`` "avg" or "max" with an odd
+    ``kernel_size``, stride 1, zero-padded at the edges as SnapKV's avg_pool1d) so that a kept token brings its
+    neighbourhood. The window is the layer's query log, so with a chunked prompt it still spans the last
+    ``window`` prompt queries across chunks. Needs a prompt: refused in stage=decode.
+    """
+
+    needs = frozenset({"qlog"})
+    unsupported_stages = ("decode",)
+    why_unsupported = "SnapKV scores the prompt from its observation window and compresses the prompt only"
+
+    def __init__(self, window: int = 32, kernel_size: int = 7, pooling: str = "avg"):
+        if int(window) < 1:
+            raise ValueError(f"window={window} must be >= 1 query")
+        if int(kernel_size) < 1 or int(kernel_size) % 2 == 0:
+            raise ValueError(f"kernel_size={kernel_size} must be a positive odd number")
+        if pooling not in ("avg", "max"):
+            raise ValueError(f"pooling={pooling!r} must be 'avg' or 'max'")
+        self.history = int(window)
+        self.window = int(window)
+        self.kernel_size = int(kernel_size)
+        self.pooling = pooling
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        summed = state.stats["qlog"].sum(dim=1)  # [H, n]
+        return pool_neighbours(summed, self.kernel_size, self.pooling)
+
+
+def pool_neighbours(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """1-D pooling along the token axis, same length out: [H, n] -> [H, n]."""
+    if kernel_size == 1:
+        return scores
+    x = scores.unsqueeze(1)
+    pad = kernel_size // 2
+    if pooling == "avg":
+        out = F.avg_pool1d(x, kernel_size, stride=1, padding=pad, count_include_pad=True)
+    else:
+        out = F.max_pool1d(x, kernel_size, stride=1, padding=pad)
+    return out.squeeze(1)
+
+
+class KeyNorm(Score):
+    """Keys with a LOWER L2 norm are kept (Devoto et al.: low key norm goes with high attention). Free: no
+    attention needed. RoPE is a rotation, so the norm of a rotated key is the norm of the raw key."""
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        return -state.keys.to(torch.float32).norm(dim=-1)
+
+
+class ValueAware(Score):
+    """VATP: attention × value norm. ``base`` is an attention score (accumulated by default), multiplied by
+    the ``p``-norm of the token's value vector (VATP uses the L1 norm)."""
+
+    def __init__(self, base: str = "accumulated", p: float = 1.0):
+        if base not in SCORES or base == "value_aware":
+            raise ValueError(f"value_aware base {base!r} must be another score: {sorted(set(SCORES) - {'value_aware'})}")
+        self.base = SCORES[base]()
+        self.p = float(p)
+        self.needs = self.base.needs
+        self.history = self.base.history
+        self.unsupported_stages = self.base.unsupported_stages
+        self.why_unsupported = self.base.why_unsupported
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        return self.base(state) * state.values.to(torch.float32).norm(p=self.p, dim=-1)
+
+
+class SharedAcrossHeads(Score):
+    """One kept set per layer: the inner score averaged over the layer's KV heads (TOVA's layer-wise choice).
+    Needs heads sharing one length (uniform allocation)."""
+
+    def __init__(self, inner: Score):
+        self.inner = inner
+        self.needs = inner.needs
+        self.history = inner.history
+        self.unsupported_stages = inner.unsupported_stages
+        self.why_unsupported = inner.why_unsupported
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        if state.valid is not None:
+            raise ValueError("shared: true needs heads holding the same tokens; it cannot run with per-head allocation")
+        scores = self.inner(state).to(torch.float32)
+        return scores.mean(dim=0, keepdim=True).expand_as(scores)
+
+
+SCORES: dict[str, type[Score]] = {
+    "recency": Recency,
+    "random": RandomScore,
+    "accumulated": Accumulated,
+    "mean": MeanAttention,
+    "last": LastQuery,
+    "hits": Hits,
+    "snapkv": ObservationWindow,
+    "key_norm": KeyNorm,
+    "value_aware": ValueAware,
+}
