@@ -174,3 +174,25 @@ def test_sampling_is_seeded(tiny, random_ids):
                      DecodeSettings(max_new_tokens=10, do_sample=True, temperature=1.5, top_p=0.9, seed=s)).tokens
             for s in (1, 1, 2)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("name", ["full", "streamingllm"])
+def test_fused_forward_matches_the_model_modules(smollm, name):
+    """The fused projections only reorder float sums: same tokens, logits within float32 rounding."""
+    ids = smollm.tokenizer("Once upon a time, in a small village by the sea, there lived")["input_ids"]
+    runs = {f: generate(smollm.model, smollm.tokenizer, ids, build_policy(POLICIES[name]), 0.5, "both",
+                        DecodeSettings(max_new_tokens=10), return_logits=True, fused=f) for f in (False, True)}
+    assert runs[True].tokens == runs[False].tokens
+    torch.testing.assert_close(runs[True].logits, runs[False].logits, rtol=1e-4, atol=2e-4)
+
+
+def test_fused_forward_refuses_other_architectures():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kvbench.engine.fused_llama import supports
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=300, n_positions=64))
+    assert supports(gpt2) == (False, "model_type 'gpt2' is not one of ('llama',)")
+    with pytest.raises(ValueError, match="fused=true but model_type 'gpt2'"):
+        generate(gpt2, None, [1, 2, 3], build_policy(POLICIES["full"]), 1.0, "prefill",
+                 DecodeSettings(max_new_tokens=2), fused=True)

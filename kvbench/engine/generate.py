@@ -15,6 +15,7 @@ import torch
 from kvbench.engine import measure
 from kvbench.engine.attention import kvbench_attention_enabled
 from kvbench.engine.cache import BudgetedCache, LayerPlan
+from kvbench.engine.fused_llama import FusedLlama, supports
 from kvbench.policies.base import Policy
 
 STAGES = ("prefill", "decode", "both")
@@ -99,6 +100,23 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def fused_forward_for(model: Any, fused: bool | None) -> FusedLlama | None:
+    """The model's fused forward, built once and kept on the model; None where it does not apply."""
+    if fused is False:
+        return None
+    ok, why = supports(model)
+    if not ok:
+        if fused:
+            raise ValueError(f"fused=true but {why}; use fused=false")
+        return None
+    key = (next(model.parameters()).device, next(model.parameters()).dtype)
+    cached = getattr(model, "_kvbench_fused", None)
+    if cached is None or cached[0] != key:
+        cached = (key, FusedLlama(model))
+        model._kvbench_fused = cached
+    return cached[1]
+
+
 def choose_token(logits: torch.Tensor, settings: DecodeSettings, generator: torch.Generator | None) -> torch.Tensor:
     """Greedy, or temperature + nucleus sampling from a seeded generator."""
     if not settings.do_sample:
@@ -141,6 +159,7 @@ def generate(
     trace: bool = False,
     forced_tokens: list[int] | None = None,
     replay_trace: list[list[torch.Tensor]] | None = None,
+    fused: bool | None = None,
 ) -> Generation:
     """Run one prompt through prefill and decode with ``policy`` holding ``budget`` in ``stage``.
 
@@ -148,7 +167,8 @@ def generate(
     while compressing). ``layer_budgets(budget, n_layers) -> list[int]`` splits the budget across
     layers (the policy's allocation when None). ``forced_tokens`` teacher-forces the decode (fidelity metrics).
     ``replay_trace`` (the ``trace`` of another run, used with the full cache) masks every step's
-    past down to what that run held, which must give that run's logits.
+    past down to what that run held, which must give that run's logits. ``fused`` runs the forward
+    with fused, pre-transposed projections (``None``: wherever the model supports it).
     """
     settings = settings or DecodeSettings()
     if stage not in STAGES:
@@ -183,6 +203,7 @@ def generate(
     ]
     cache = BudgetedCache(plans, policy, seed=settings.seed, device=device, model=model)
     cache_kw = cache_argument(model)
+    fused_forward = fused_forward_for(model, fused)
     sampler = torch.Generator(device=device)
     sampler.manual_seed(settings.seed)
     stops = eos_ids(model, tokenizer)
@@ -201,18 +222,22 @@ def generate(
                 layer.visible_past = visible.scatter_(1, held.to(device), True)
         n_forwards += 1
         fed_positions = cache.begin_step(positions, evicting, phase)  # absolute, or reindexed in the cache
-        out = model(
-            input_ids=torch.tensor([ids], device=device),
-            position_ids=fed_positions.unsqueeze(0),
-            use_cache=True,
-            logits_to_keep=1,
-            kvbench_cache=cache,
-            **{cache_kw: cache},
-        )
+        input_ids_t = torch.tensor([ids], device=device)
+        if fused_forward is not None:
+            logits = fused_forward(input_ids_t, fed_positions.unsqueeze(0), cache)
+        else:
+            logits = model(
+                input_ids=input_ids_t,
+                position_ids=fed_positions.unsqueeze(0),
+                use_cache=True,
+                logits_to_keep=1,
+                kvbench_cache=cache,
+                **{cache_kw: cache},
+            ).logits[0, -1]
         resident_peak = max(resident_peak, cache.summary().resident_bytes)
         if trace:
             traces.append(cache.kept_positions())
-        return out.logits[0, -1]
+        return logits
 
     with kvbench_attention_enabled(model):
         measure.reset_peak(device)

@@ -1,0 +1,94 @@
+"""A forward pass for Llama-family models with fused, pre-transposed projections.
+
+On a CPU a decode step is bound by reading the weights once. transformers' modules read seven
+separate matrices per layer through ``x @ W.T``; here Q, K and V are one matrix, gate and up are
+one, and every matrix is stored as ``[in, out]`` so the product streams it contiguously. The cache,
+the attention function and therefore every policy are exactly the ones the model forward uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from kvbench.engine.attention import ATTN_NAME
+
+SUPPORTED_TYPES = ("llama",)
+
+
+def supports(model: Any) -> tuple[bool, str]:
+    """Whether the fused path computes exactly the model's function (else why not)."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        return False, f"model_type {cfg.model_type!r} is not one of {SUPPORTED_TYPES}"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return False, "projection biases are not fused"
+    if cfg.hidden_act != "silu":
+        return False, f"activation {cfg.hidden_act!r} is not silu"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return False, "tensor-parallel pretraining slices are not supported"
+    return True, ""
+
+
+@dataclass
+class _Layer:
+    attn: Any  # the model's attention module: layer index, GQA groups and scaling for the attention function
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    norm_in: Any
+    norm_post: Any
+    split: tuple[int, int, int]
+
+
+class FusedLlama:
+    """Call like the model (input ids, positions, cache) and get the last position's logits."""
+
+    def __init__(self, model: Any):
+        ok, why = supports(model)
+        if not ok:
+            raise ValueError(f"fused forward unavailable: {why}")
+        self.model = model
+        core = model.model
+        self.embed, self.rotary, self.norm = core.embed_tokens, core.rotary_emb, core.norm
+        self.lm_head = model.lm_head.weight.detach().t().contiguous()
+        self.layers = []
+        with torch.no_grad():
+            for layer in core.layers:
+                a, m = layer.self_attn, layer.mlp
+                q, k, v = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
+                self.layers.append(_Layer(
+                    attn=a,
+                    qkv=torch.cat([q, k, v]).t().contiguous(),
+                    o=a.o_proj.weight.t().contiguous(),
+                    gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).t().contiguous(),
+                    down=m.down_proj.weight.t().contiguous(),
+                    norm_in=layer.input_layernorm,
+                    norm_post=layer.post_attention_layernorm,
+                    split=(q.shape[0], k.shape[0], v.shape[0]),
+                ))
+        self.head_dim = self.layers[0].attn.head_dim
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary(hidden, position_ids=position_ids)
+        batch, length = input_ids.shape
+        attend = ALL_ATTENTION_FUNCTIONS[ATTN_NAME]  # looked up per call, as the model's modules do
+        for layer in self.layers:
+            x = layer.norm_in(hidden)
+            q, k, v = (x @ layer.qkv).split(layer.split, dim=-1)
+            q = q.view(batch, length, -1, self.head_dim).transpose(1, 2)
+            k = k.view(batch, length, -1, self.head_dim).transpose(1, 2)
+            v = v.view(batch, length, -1, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = cache.update(k, v, layer.attn.layer_idx)
+            out, _ = attend(layer.attn, q, k, v, None, scaling=layer.attn.scaling, kvbench_cache=cache)
+            hidden = hidden + out.reshape(batch, length, -1) @ layer.o
+            x = layer.norm_post(hidden)
+            gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + (torch.nn.functional.silu(gate) * up) @ layer.down
+        return (self.norm(hidden[:, -1:]) @ self.lm_head)[0, -1]
