@@ -51,6 +51,7 @@ class Reference:
     text: str
     stop_reason: str
     summary: LogitSummary
+    argmax: list[int] = field(default_factory=list)  # the full cache's most likely token per step
     nll: list[float] | None = None  # teacher-forced references: NLL of each forced token
     key: dict[str, Any] = field(default_factory=dict)
 
@@ -61,6 +62,7 @@ class Reference:
             "tokens": self.tokens,
             "text": self.text,
             "stop_reason": self.stop_reason,
+            "argmax": self.argmax,
             "nll": self.nll,
             "shape": list(self.summary.ids.shape),
             "topk_ids": _pack(self.summary.ids.numpy().astype(np.int32)),
@@ -78,7 +80,7 @@ class Reference:
             rest=torch.from_numpy(_unpack(data["rest_logprob"], np.float32).reshape(shape[:1])),
         )
         return cls(tokens=list(data["tokens"]), text=data["text"], stop_reason=data["stop_reason"],
-                   summary=summary, nll=data.get("nll"), key=data.get("key", {}))
+                   summary=summary, argmax=list(data["argmax"]), nll=data.get("nll"), key=data.get("key", {}))
 
 
 def _pack(array: np.ndarray) -> str:
@@ -219,7 +221,7 @@ def generated_reference(lm: Any, input_ids: list[int], suffix_ids: list[int], se
     g = generate(lm.model, lm.tokenizer, input_ids, full_policy(), 1.0, "prefill", settings,
                  suffix_ids=suffix_ids, stride=stride, return_logits=True)
     return Reference(tokens=list(g.tokens), text=g.text, stop_reason=g.stop_reason,
-                     summary=summarize_logits(g.logits, top_k))
+                     summary=summarize_logits(g.logits, top_k), argmax=g.logits.argmax(-1).tolist())
 
 
 def forced_reference(lm: Any, input_ids: list[int], targets: list[int], settings: DecodeSettings,
@@ -227,8 +229,8 @@ def forced_reference(lm: Any, input_ids: list[int], targets: list[int], settings
     """The full cache teacher-forced along ``targets``: each target's NLL and the top-K per step."""
     g = generate(lm.model, lm.tokenizer, input_ids, full_policy(), 1.0, "prefill", settings,
                  stride=stride, forced_tokens=targets, return_logits=True)
-    return Reference(tokens=list(targets), text="", stop_reason="forced",
-                     summary=summarize_logits(g.logits, top_k), nll=token_nll(g.logits, targets).tolist())
+    return Reference(tokens=list(targets), text="", stop_reason="forced", summary=summarize_logits(g.logits, top_k),
+                     argmax=g.logits.argmax(-1).tolist(), nll=token_nll(g.logits, targets).tolist())
 
 
 def reference_key(kind: str, lm: Any, spec: Any, example_id: str, prompt_digest: str,
