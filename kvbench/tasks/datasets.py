@@ -113,15 +113,14 @@ def sample_indices(total: int, n: int | None, seed: int) -> list[int]:
 
 
 def load_longbench_archive(archive: str | Path, subset: str) -> list[dict[str, Any]]:
-    """Rows of ``<subset>.jsonl`` inside LongBench's ``data.zip``, read by the ``datasets`` JSON loader."""
-    import datasets
-
+    """Rows of ``<subset>.jsonl`` inside LongBench's ``data.zip``, read straight from the archive so that a
+    cached archive also works with the hub offline."""
     with zipfile.ZipFile(archive) as zf:
         members = [m for m in zf.namelist() if PurePosixPath(m).name == f"{subset}.jsonl"]
-    if not members:
-        raise FileNotFoundError(f"{archive} has no {subset}.jsonl")
-    files = {"test": f"zip://{members[0]}::{Path(archive).resolve()}"}
-    return datasets.load_dataset("json", data_files=files, split="test").to_list()
+        if not members:
+            raise FileNotFoundError(f"{archive} has no {subset}.jsonl")
+        text = zf.read(members[0]).decode("utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _summarization_from_hub(dataset: str, split: str) -> list[dict[str, Any]]:

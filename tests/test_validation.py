@@ -1,0 +1,168 @@
+"""Every bad input is refused with one clear message before any model weights load.
+
+Each case runs the real entry point (``kvbench.run.main``, Hydra and all) in this process, with the
+model loaders replaced by ones that fail the test, and checks the exit status, the message, and that
+no cell wrote rows.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hydra.core.global_hydra import GlobalHydra
+
+import kvbench.models
+import kvbench.run as runner
+
+TINY = ["model=tiny-llama", "task.n=2", "task.context_tokens=128", "task.max_new_tokens=4"]
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """Run ``kvbench-run ARGS`` in-process; returns (exit status, stderr). Loading weights fails the test."""
+
+    def no_weights(*args, **kwargs):
+        pytest.fail(f"model weights were loaded before validation refused the config: {args} {kwargs}")
+
+    monkeypatch.setattr(runner, "load_model", no_weights)
+    monkeypatch.setattr(kvbench.models, "load_model", no_weights)
+    monkeypatch.setattr(runner, "get_model", no_weights)
+
+    def run(*args: str) -> tuple[int, str]:
+        GlobalHydra.instance().clear()
+        # No logging set-up: Hydra's dictConfig would close handlers bound to pytest's captured streams.
+        quiet = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+        monkeypatch.setattr(sys, "argv", ["kvbench-run", *args, f"results_dir={tmp_path}", "sweep_name=v", *quiet])
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                runner.main()
+        finally:
+            GlobalHydra.instance().clear()
+        err = capsys.readouterr().err
+        assert not list(tmp_path.rglob("rows.jsonl")), "a refused config wrote rows"
+        return exit_info.value.code, err
+
+    return run
+
+
+def one_message(err: str) -> str:
+    """The kvbench message (one line, no traceback)."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("kvbench: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- Hydra: unknown options and keys
+
+
+@pytest.mark.parametrize("group, choice, listed", [
+    ("policy", "nope", ["full", "window", "streamingllm", "random"]),
+    ("task", "nope", ["retrieval", "xsum", "longbench"]),
+    ("model", "nope", ["tiny-llama", "smollm2-135m"]),
+    ("experiment", "nope", ["smoke", "main", "roco_paper"]),
+    ("hydra/launcher", "nope", ["basic", "joblib", "submitit_local", "submitit_slurm"]),
+])
+def test_unknown_option_lists_the_choices(cli, group, choice, listed):
+    code, err = cli(*TINY, f"{group}={choice}")
+    assert code == 1
+    assert f"Could not find '{group}/{choice}'" in err
+    assert f"Available options in '{group}'" in err
+    for name in listed:
+        assert f"\t{name}\n" in err
+    assert "Traceback" not in err
+
+
+def test_unknown_key_is_refused(cli):
+    code, err = cli(*TINY, "budgett=0.5")
+    assert code == 1
+    assert "Could not override 'budgett'" in err and "Key 'budgett' is not in struct" in err
+
+
+# ---------------------------------------------------------------- kvbench's own checks
+
+
+CASES = [
+    (["stage=sideways"], "stage='sideways' is unknown; choose one of prefill, decode, both"),
+    (["policy=window", "budget=1.5"], "budget=1.5 is out of range: give a fraction in (0, 1]"),
+    (["policy=window", "budget=-0.2"], "budget=-0.2 is out of range"),
+    (["policy=window", "budget=0"], "budget=0 must be at least 1 token"),
+    (["policy=window", "budget=lots"], "budget='lots' must be a number"),
+    (["stride=0"], "stride=0 must be a positive integer"),
+    (["stride=1.5"], "stride=1.5 must be a positive integer"),
+    (["max_new_tokens=0"], "max_new_tokens=0 must be a positive integer or null"),
+    (["max_new_tokens=-3"], "max_new_tokens=-3 must be a positive integer or null"),
+    (["seed=abc"], "seed='abc' must be an integer"),
+    (["sampling.do_sample=true", "sampling.temperature=0"], "sampling.temperature=0 must be > 0"),
+    (["sampling.do_sample=true", "sampling.top_p=1.5"], "sampling.top_p=1.5 must be in (0, 1]"),
+    (["sampling.temperature=hot"], "sampling.temperature='hot' must be a number"),
+    (["model.source=weird"], "model.source='weird' is unknown; choose embedded, pretrained or tiny"),
+    (["model.dtype=float8"], "model.dtype='float8' is unknown; choose one of auto, float32, float16, bfloat16"),
+    (["model.device=tpu"], "model.device='tpu' is unknown; choose auto, cpu, cuda, cuda:N or mps"),
+    (["policy=streamingllm", "budget=4"],
+     "budget=4 tokens is below the 5 tokens policy 'streamingllm' always protects"),
+    (["policy=streamingllm", "budget=0.01"], "example passkey-0: budget=0.01 is 3 tokens of its"),
+    (["policy=window", "policy.score=bogus"], "policy=window: unknown score 'bogus'"),
+    (["task.context_tokens=20000"], "tokens (prompt + max_new_tokens) exceed the model's limit of 16384"),
+    (["task=jsonl"], "task.path must be set (it is ??? in the config): add task.path=... to the command line"),
+    (["task=jsonl", "task.path=/nonexistent/prompts.jsonl"], "task.path=/nonexistent/prompts.jsonl does not exist"),
+    (["task=xsum", "task.data_dir=/nonexistent/xsum"],
+     "/nonexistent/xsum/test.jsonl does not exist. Set task.data_dir=... to a folder holding test.jsonl"),
+    (["task=longbench", "task.subset=klingon"], "unknown LongBench subset 'klingon'"),
+    (["task=retrieval", "task.needle=haystack"], "task.needle must be 'passkey' or 'kv', not 'haystack'"),
+    (["tracking.wandb.mode=loud"], "tracking.wandb.mode='loud' is unknown; choose one of online, offline, disabled"),
+    (["model=hf"], "model.name_or_path must be set"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_gets_one_message_and_no_model(cli, overrides, message):
+    base = ["model=tiny-llama"] if any(o.startswith(("task=", "model=")) for o in overrides) else TINY
+    code, err = cli(*base, *overrides)
+    assert code == 2
+    assert message in one_message(err)
+
+
+def test_cuda_device_without_cuda(cli):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, err = cli(*TINY, "model.device=cuda")
+    assert code == 2 and "model.device=cuda but CUDA is not available here" in one_message(err)
+
+
+def test_wandb_online_without_credentials(cli, monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    empty = tmp_path / "netrc"
+    empty.write_text("machine example.org login x password y\n")
+    monkeypatch.setenv("NETRC", str(empty))
+    code, err = cli(*TINY, "tracking.wandb.mode=online")
+    assert code == 2
+    assert "tracking.wandb.mode=online needs credentials: run `wandb login` or set WANDB_API_KEY" in one_message(err)
+
+
+def test_wandb_online_with_a_netrc_entry_passes_the_check(monkeypatch, tmp_path):
+    from kvbench.tracking import check_credentials
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    path = tmp_path / "netrc"
+    path.write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    monkeypatch.setenv("NETRC", str(path))
+    assert check_credentials("online") is None
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert "needs credentials" in check_credentials("online")
+
+
+def test_policy_that_cannot_run_in_a_stage(cli):
+    """``Policy.unsupported_stages``: SnapKV scores from the prompt's observation window, so it only
+    compresses a prompt."""
+    code, err = cli(*TINY, "policy=snapkv", "stage=decode")
+    assert code == 2
+    assert "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']" in one_message(err)
+
+
+def test_a_sweep_with_an_unknown_option_runs_nothing(cli):
+    """Hydra composes every cell of a sweep before it launches any, so a typo costs nothing."""
+    code, err = cli("-m", *TINY, "policy=window,nope")
+    assert code == 1 and "Could not find 'policy/nope'" in err
