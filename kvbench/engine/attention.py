@@ -61,7 +61,9 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
     block = max(1, STATS_BLOCK_ELEMENTS // (hq * n))
     for start in range(first, q, block):
         end = min(q, start + block)
-        logits = torch.einsum("hgqd,hnd->hgqn", qh[:, :, start:end], kh) * scaling
+        # One batched product per KV head over a transposed view of the keys (no copy of K).
+        logits = torch.matmul(qh[:, :, start:end].reshape(hkv, -1, dim), kh.transpose(-1, -2))
+        logits = logits.view(hkv, group, end - start, n).mul_(scaling)
         allowed = visibility(past, start, end, n, visible_past, key.device)  # [hkv or 1, qb, n]
         if visible_past is not None or end - start > 1 or past + start + 1 < n:
             logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))

@@ -233,5 +233,11 @@ class Policy:
         """Indices to keep, [kv_heads, budget], ascending so kept tokens stay in sequence order
         (heads sharing one length: uniform allocation within the layer)."""
         scores = self.scored(state, budget)
-        keep = torch.topk(scores, budget, dim=-1, sorted=False).indices
-        return keep.sort(dim=-1).values
+        heads, n = scores.shape
+        order = torch.arange(n, device=scores.device)
+        if n - budget == 1:  # the decode step's usual case: one eviction per head, no sort needed
+            evicted = scores.argmin(dim=-1, keepdim=True)
+            return order[:budget] + (order[:budget] >= evicted)
+        evicted = torch.topk(scores, n - budget, dim=-1, largest=False, sorted=False).indices
+        kept = torch.ones(heads, n, dtype=torch.bool, device=scores.device).scatter_(1, evicted, False)
+        return order.expand(heads, n)[kept].view(heads, budget)
