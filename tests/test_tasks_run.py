@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 import kvbench.run as runner
 from kvbench.config import validate
 from kvbench.results import read_rows
-from kvbench.tasks.instructions import BUILTIN_PROMPTS, read_instructions
+from kvbench.tasks.instructions import BUILTIN_PROMPTS
+from kvbench.tasks.jsonl import read_prompts
 from kvbench.tasks.registry import build_task
 
 from conftest import CONFIG_DIR, SHARED_DATA
@@ -81,7 +82,7 @@ def test_compressed_perplexity_is_compared_with_the_full_cache(tmp_path, stage):
 
 
 def test_builtin_instruction_prompts():
-    examples = read_instructions(BUILTIN_PROMPTS)
+    examples = read_prompts(BUILTIN_PROMPTS)
     assert len(examples) >= 30 and len({ex.id for ex in examples}) == len(examples)
     assert len({ex.meta["category"] for ex in examples}) >= 8
     assert all(len(ex.prompt.split()) >= 10 and not ex.references for ex in examples)

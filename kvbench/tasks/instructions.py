@@ -8,32 +8,16 @@ for ``stage=decode`` or ``both``, where the cache fills up with the model's own 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task
 from kvbench.tasks.datasets import sample_indices
+from kvbench.tasks.jsonl import read_prompts
 from kvbench.tasks.prompting import render_ids
 from kvbench.tasks.registry import register_task
 
 BUILTIN_PROMPTS = Path(__file__).resolve().parent / "data" / "instructions.jsonl"
-
-
-def read_instructions(path: str | Path) -> list[Example]:
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"task.path={path} does not exist; point it at a JSONL file of prompts")
-    out = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if "prompt" not in record:
-            raise ValueError(f"{path}:{number}: every line needs a 'prompt' field")
-        out.append(Example(id=str(record.get("id", number)), prompt=record["prompt"],
-                           meta={"category": record.get("category")}))
-    return out
 
 
 @register_task("instructions")
@@ -55,7 +39,7 @@ class InstructionsTask(Task):
             raise ValueError(f"task.max_new_tokens={self.max_new_tokens} must be >= 1")
 
     def examples(self) -> list[Example]:
-        examples = read_instructions(self.path)
+        examples = read_prompts(self.path)
         if self.categories:
             examples = [ex for ex in examples if ex.meta.get("category") in self.categories]
         return [examples[i] for i in sample_indices(len(examples), self.n, self.seed)]

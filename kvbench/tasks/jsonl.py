@@ -11,6 +11,7 @@ from kvbench.tasks.registry import register_task
 
 
 def read_prompts(path: str | Path) -> list[Example]:
+    """Examples from a JSONL file of prompts; fields other than id, prompt and reference go to ``meta``."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"task.path={path} does not exist; point task.path at a JSONL file of prompts")
@@ -22,8 +23,9 @@ def read_prompts(path: str | Path) -> list[Example]:
         if "prompt" not in record:
             raise ValueError(f"{path}:{number}: every line needs a 'prompt' field")
         reference = record.get("reference")
+        meta = {k: v for k, v in record.items() if k not in ("id", "prompt", "reference")}
         out.append(Example(id=str(record.get("id", number)), prompt=record["prompt"],
-                           references=[reference] if reference else []))
+                           references=[reference] if reference else [], meta=meta))
     return out
 
 
