@@ -64,8 +64,10 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
         # One batched product per KV head over a transposed view of the keys (no copy of K).
         logits = torch.matmul(qh[:, :, start:end].reshape(hkv, -1, dim), kh.transpose(-1, -2))
         logits = logits.view(hkv, group, end - start, n).mul_(scaling)
-        allowed = visibility(past, start, end, n, visible_past, key.device)  # [hkv or 1, qb, n]
-        if visible_past is not None or end - start > 1 or past + start + 1 < n:
+        # A lone query that sees every held entry (a plain decode step) needs no mask at all.
+        unmasked = visible_past is None and end - start == 1 and past + start + 1 == n and end <= log_from
+        if not unmasked:
+            allowed = visibility(past, start, end, n, visible_past, key.device)  # [hkv or 1, qb, n]
             logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
         probs = logits.softmax(dim=-1).mean(dim=1)  # [hkv, qb, n]
         if "acc" in out:
