@@ -220,7 +220,7 @@ def main() -> None:
         print(f"policy {k:>18}: {v:.2f} ms/token = {v / per_policy['window']:.2f} x window")
 
     memory: dict[str, dict[int, int]] = {}
-    for name in ["full"] + available(["h2o", "roco", "snapkv", "tova"]):
+    for name in ["full"] + available(["h2o", "roco", "snapkv"]):
         memory[name] = {n: prefill_peak_isolated(args.model, n, name, None) for n in args.memory_contexts}
         print(f"prefill peak {name:>8}:", {n: f"{b / 1e6:.0f} MB" for n, b in memory[name].items()})
     report["prefill_peak_bytes"] = memory
