@@ -212,6 +212,57 @@ def test_mean_and_std_match_eager_attention(tiny, random_ids, monkeypatch):
         np.testing.assert_allclose(state.stats["count"].numpy(), np.tile(np.arange(n, 0, -1), (2, 1)))
 
 
+def test_hit_counts_match_eager_attention(tiny, random_ids, monkeypatch):
+    """ScissorHands' hits from the cache's query log (across prompt chunks and decode steps) equal the hits
+    counted over the last ``history`` rows of the full attention matrices."""
+    spy = Spy(monkeypatch)
+    history = 6
+    ids = random_ids(19, seed=17)
+    g = generate(tiny.model, None, ids, named("scissorhands", score={"history": history}), 100, "both",
+                 DecodeSettings(max_new_tokens=5), stride=4)
+    seq = ids + g.tokens[:-1]
+    model = tiny.model
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = model(torch.tensor([seq]), output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+    n = len(seq)
+    for layer, att in zip(spy.cache.layers, attentions):
+        rows = att[0].double().numpy().reshape(2, 2, n, n).mean(axis=1)[:, n - history :]  # [kv, history, n]
+        seen = np.arange(n - history, n) + 1  # keys each logged query saw
+        expected = ((rows >= 1.0 / seen[None, :, None]) & (rows > 0)).sum(axis=1)
+        state = layer.state()
+        assert layer.policy.score(state).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("cfg", [
+    {"name": "vatp", "score": {"kind": "value_aware", "p": 1}, "scope": {"kind": "sinks_window", "n_sink": 2}},
+    {"name": "vatp_int8_merge", "score": {"kind": "value_aware", "p": 2}, "scope": {"kind": "sinks_window", "n_sink": 2},
+     "quantize": "int8", "merge": True},
+    {"name": "knorm", "score": "key_norm"},
+    {"name": "ada_vatp", "score": {"kind": "value_aware", "p": 1}, "scope": {"kind": "sinks_window", "n_sink": 2},
+     "allocation": {"kind": "adaptive"}},
+])
+def test_write_time_features_follow_their_entries(tiny, random_ids, monkeypatch, cfg):
+    """Value and key norms are taken once, when an entry is written; through compaction, merging and
+    quantisation they must still be the norms of the entries the cache holds."""
+    spy = Spy(monkeypatch)
+    generate(tiny.model, None, random_ids(40, seed=18), build_policy(cfg), 0.3, "both",
+             DecodeSettings(max_new_tokens=6), stride=8)
+    for layer in spy.cache.layers:
+        state = layer.state()
+        valid = state.valid_mask()
+        if "value_norm" in state.stats:
+            p = build_policy(cfg).score.p
+            expected = state.values.float().norm(p=p, dim=-1)
+            torch.testing.assert_close(state.stats["value_norm"][valid], expected[valid])
+        else:
+            torch.testing.assert_close(state.stats["key_norm"][valid], state.keys.float().norm(dim=-1)[valid])
+
+
 def test_robust_scope_sees_the_phase_the_cache_is_in(tiny, random_ids, monkeypatch):
     """stage=both: the prompt is compressed with rho_prefill, decoding holds the budget with rho_decode."""
     seen = []

@@ -89,7 +89,7 @@ import pytest  # noqa: E402
 
 from kvbench.engine.attention import attention_statistics  # noqa: E402
 from kvbench.policies.allocation import Adaptive, Pyramid  # noqa: E402
-from kvbench.policies.base import Allocation  # noqa: E402
+from kvbench.policies.base import Allocation, Score  # noqa: E402
 from kvbench.policies.merge import merge_evicted  # noqa: E402
 from kvbench.policies.scopes import Robust, last_n  # noqa: E402
 from kvbench.policies.scores import (  # noqa: E402
@@ -108,11 +108,14 @@ KEYS = RNG.normal(size=(H, N, 4))
 VALUES = RNG.normal(size=(H, N, 4))
 
 
-def rich_state(phase: str = "prefill") -> TokenState:
+def rich_state(phase: str = "prefill", score: Score | None = None) -> TokenState:
+    """What a cache hands ``score``: its query log as the score logs it, its write-time features."""
     t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
-    return TokenState(keys=t(KEYS), values=t(VALUES), positions=torch.arange(N).repeat(H, 1),
-                      stats={"acc": t(ACC), "count": t(COUNT), "last": t(LAST), "qlog": t(QLOG), "qlog_nvis": t(NVIS)},
-                      phase=phase)
+    keys, values = t(KEYS), t(VALUES)
+    qlog = t(QLOG) if score is None else score.log_rows(t(QLOG), t(NVIS))
+    features = {} if score is None else score.features(keys, values)
+    stats = {"acc": t(ACC), "count": t(COUNT), "last": t(LAST), "qlog": qlog, "qlog_nvis": t(NVIS)} | features
+    return TokenState(keys=keys, values=values, positions=torch.arange(N).repeat(H, 1), stats=stats, phase=phase)
 
 
 def np_pool(x: np.ndarray, k: int, kind: str) -> np.ndarray:
@@ -140,10 +143,10 @@ REFERENCES = {
 @pytest.mark.parametrize("name", list(REFERENCES))
 def test_score_matches_numpy_reference_and_keeps_its_top_k(name):
     score, expected = REFERENCES[name]
-    got = score(rich_state()).numpy()
+    got = score(rich_state(score=score)).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     budget = 4
-    keep = Policy(name, score, Everything()).select(rich_state(), budget).numpy()
+    keep = Policy(name, score, Everything()).select(rich_state(score=score), budget).numpy()
     for h in range(H):
         ranked = np.argsort(-expected[h], kind="stable")
         if expected[h][ranked[budget - 1]] == expected[h][ranked[budget]]:
@@ -157,12 +160,14 @@ def test_hits_worked_by_hand():
                          [0.40, 0.15, 0.10, 0.20, 0.15],
                          [0.25, 0.05, 0.30, 0.10, 0.30],
                          [0.20, 0.19, 0.10, 0.19, 0.32]])
-    s = TokenState(positions=torch.arange(5).view(1, 5), stats={"qlog": rows.view(1, 4, 5), "qlog_nvis": torch.full((1, 4), 5.0)})
-    assert Hits(history=4)(s).tolist() == [[4, 0, 2, 1, 3]]
-    assert Policy("sh", Hits(history=4), Everything()).select(s, 2).tolist() == [[0, 4]]
+    hits, nvis = Hits(history=4), torch.full((1, 4), 5.0)
+    s = TokenState(positions=torch.arange(5).view(1, 5), stats={"qlog": hits.log_rows(rows.view(1, 4, 5), nvis), "qlog_nvis": nvis})
+    assert hits(s).tolist() == [[4, 0, 2, 1, 3]]
+    assert Policy("sh", hits, Everything()).select(s, 2).tolist() == [[0, 4]]
     # Slots never written (nvis 0) hit nothing.
-    empty = TokenState(positions=torch.arange(5).view(1, 5), stats={"qlog": torch.zeros(1, 4, 5), "qlog_nvis": torch.zeros(1, 4)})
-    assert Hits(history=4)(empty).sum() == 0
+    empty = TokenState(positions=torch.arange(5).view(1, 5),
+                       stats={"qlog": hits.log_rows(torch.zeros(1, 4, 5), torch.zeros(1, 4)), "qlog_nvis": torch.zeros(1, 4)})
+    assert hits(empty).sum() == 0
 
 
 def test_snapkv_pooling_brings_neighbours():

@@ -65,7 +65,7 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
         logits = torch.matmul(qh[:, :, start:end].reshape(hkv, -1, dim), kh.transpose(-1, -2))
         logits = logits.view(hkv, group, end - start, n).mul_(scaling)
         # A lone query that sees every held entry (a plain decode step) needs no mask at all.
-        unmasked = visible_past is None and end - start == 1 and past + start + 1 == n and end <= log_from
+        unmasked = visible_past is None and end - start == 1 and past + start + 1 == n
         if not unmasked:
             allowed = visibility(past, start, end, n, visible_past, key.device)  # [hkv or 1, qb, n]
             logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
@@ -79,8 +79,11 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
         if end > log_from:
             lo = max(start, log_from)
             out["qlog"][:, lo - log_from : end - log_from] = probs[:, lo - start :]
-            nvis = allowed[:, lo - start :].sum(dim=-1).to(torch.float32)
-            out["qlog_nvis"][:, lo - log_from : end - log_from] = nvis.expand(hkv, -1)
+            if unmasked:
+                out["qlog_nvis"][:, -1] = n
+            else:
+                nvis = allowed[:, lo - start :].sum(dim=-1).to(torch.float32)
+                out["qlog_nvis"][:, lo - log_from : end - log_from] = nvis.expand(hkv, -1)
     return out
 
 

@@ -17,6 +17,10 @@ Two layer layouts:
 
 Both store K/V through ``KVStore``: the model's dtype, or int8/fp8 codes with float32 per-entry scales
 (``policy.quantize``); resident bytes count the codes and the scales.
+
+Everything else a layer knows per entry (statistics, write-time features, the query log) lives in one
+float32 *token table* [G, rows, columns], so adding a token zeroes one slice and compaction moves one
+block of rows, whatever the policy reads.
 """
 from __future__ import annotations
 
@@ -31,10 +35,12 @@ from kvbench.policies.merge import merge_evicted
 from kvbench.policies.positions import Rotary, find_rotary
 from kvbench.policies.quantize import Quantizer
 
-# Per-token statistics a layer can keep; each is a float32 buffer [kv_heads, capacity] ("mass": attention
-# mass merged into an entry). Scores reading a query log also get ``qlog`` [kv_heads, history, capacity]
-# (a ring of the most recent queries' attention rows) and ``qlog_nvis`` [kv_heads, history].
-STAT_NAMES = ("acc", "sumsq", "count", "last", "mass")
+# Per-token statistics a layer accumulates; each is a column of the token table, seen as [kv_heads, capacity]
+# ("mass": attention mass merged into an entry). Scores reading a query log also get ``qlog`` [kv_heads,
+# history, capacity] (a ring of the most recent queries' rows, as the score logs them) and ``qlog_nvis``
+# [kv_heads, history]. ``count`` (queries that saw an entry) is not stored: every query fed after an entry
+# sees it, so it is the number of tokens fed minus the entry's position.
+STAT_NAMES = ("acc", "sumsq", "last", "mass")
 
 
 @dataclass
@@ -77,11 +83,11 @@ class KVStore:
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         return codes if self.quantizer is None else self.quantizer.dequantize(codes, scales, self.dtype)
 
-    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``end`` rows of every group, [G, end, D] (views of the buffers when plain)."""
-        ks = None if self.k_scale is None else self.k_scale[0, :, :end]
-        vs = None if self.v_scale is None else self.v_scale[0, :, :end]
-        return self._decode(self.k[0, :, :end], ks), self._decode(self.v[0, :, :end], vs)
+    def read(self, end: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``start:end`` of every group, [G, end - start, D] (views of the buffers when plain)."""
+        ks = None if self.k_scale is None else self.k_scale[0, :, start:end]
+        vs = None if self.v_scale is None else self.v_scale[0, :, start:end]
+        return self._decode(self.k[0, :, start:end], ks), self._decode(self.v[0, :, start:end], vs)
 
     def gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``idx`` (any shape) of a single-group store, [*idx.shape, D]."""
@@ -92,15 +98,14 @@ class KVStore:
 
         return (self._decode(take(self.k), take(self.k_scale)), self._decode(take(self.v), take(self.v_scale)))
 
-    def compact(self, keep: torch.Tensor) -> None:
-        """Move rows ``keep`` [G, k] of every group to the front, in place. Rows are selected from the
-        flattened [G * capacity, D] buffer: a row copy per kept token, several times faster than
-        ``gather`` with an index expanded over D."""
-        groups, k = keep.shape
-        rows = (keep + torch.arange(groups, device=keep.device).unsqueeze(1) * self.k.shape[2]).reshape(-1)
+    def flat_rows(self, keep: torch.Tensor) -> torch.Tensor:
+        """Rows ``keep`` [G, k] of every group as indices into the flattened [G * capacity] rows."""
+        return (keep + torch.arange(keep.shape[0], device=keep.device).unsqueeze(1) * self.k.shape[2]).reshape(-1)
+
+    def compact(self, rows: torch.Tensor, groups: int) -> None:
+        """Move ``rows`` (``flat_rows``) to the front of every group, in place."""
         for t in self.tensors():
-            flat = t[0].reshape(-1, t.shape[-1])
-            t[0, :, :k] = flat.index_select(0, rows).view(groups, k, t.shape[-1])
+            compact_rows(t[0], rows, groups)
 
     def row_bytes(self) -> int:
         """Bytes one row (one token of one group) holds: K and V, plus their scales when quantised."""
@@ -108,6 +113,14 @@ class KVStore:
 
     def capacity_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def compact_rows(t: torch.Tensor, rows: torch.Tensor, groups: int) -> None:
+    """t [G, capacity, X] (contiguous): move ``rows`` of the flattened [G * capacity, X] view to the front of
+    every group, ``len(rows) / G`` each, in place. A row copy per kept token: several times faster than a
+    ``gather`` with an index expanded over X."""
+    k = rows.shape[0] // groups
+    t[:, :k] = t.reshape(-1, t.shape[-1]).index_select(0, rows).view(groups, k, t.shape[-1])
 
 
 class _LayerBase(CacheLayerMixin):
@@ -121,6 +134,7 @@ class _LayerBase(CacheLayerMixin):
         self.policy = policy
         self.cache = cache
         self.positions: torch.Tensor | None = None
+        self.table: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
         self.qlog: torch.Tensor | None = None
         self.qlog_nvis: torch.Tensor | None = None
@@ -140,21 +154,39 @@ class _LayerBase(CacheLayerMixin):
                              self.device, self.policy.quantize)
         self.keys, self.values = self.store.k, self.store.v
         self.positions = torch.zeros(groups, rows, dtype=torch.long, device=self.device)
-        self.stats = {
-            name: torch.zeros(groups, rows, dtype=torch.float32, device=self.device)
-            for name in self.policy.needs
-            if name in STAT_NAMES
-        }
+        columns = sorted(n for n in self.policy.needs if n in STAT_NAMES) + sorted(self.policy.feature_names)
         history = self.policy.history if "qlog" in self.policy.needs else 0
+        if columns or history:
+            self.table = torch.zeros(groups, rows, len(columns) + history, dtype=torch.float32, device=self.device)
+        self.stats = {name: self.table[:, :, i] for i, name in enumerate(columns)}
         if history:
-            self.qlog = torch.zeros(groups, history, rows, dtype=torch.float32, device=self.device)
+            self.qlog = self.table[:, :, len(columns):].transpose(1, 2)
             self.qlog_nvis = torch.zeros(key_states.shape[1], history, dtype=torch.float32, device=self.device)
         self.is_initialized = True
 
-    def _ring_slots(self, r: int) -> torch.Tensor:
-        slots = (self.qlog_next + torch.arange(r, device=self.device)) % self.qlog.shape[1]
+    def _ring_slots(self, r: int) -> int | torch.Tensor:
+        """The ring rows the step's last ``r`` queries go to (an int for the usual single query)."""
+        history = self.qlog.shape[1]
+        slots = [(self.qlog_next + i) % history for i in range(r)]
         self.qlog_next += r
-        return slots
+        return slots[0] if r == 1 else torch.tensor(slots, device=self.device)
+
+    def _logged(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step's query-log rows as the score keeps them (e.g. ScissorHands' hit indicators)."""
+        return self.policy.score.log_rows(stats["qlog"], stats["qlog_nvis"])
+
+    def _write_features(self, start: int, end: int) -> None:
+        """Write-time features (e.g. value norms) of rows ``start:end``, from the entries as stored."""
+        if self.policy.feature_names:
+            keys, values = self.store.read(end, start)
+            for name, value in self.policy.features(keys, values).items():
+                self.stats[name][:, start:end] = value
+
+    def _derived_stats(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``count``: every query fed after an entry saw it (the step's own queries included)."""
+        if "count" not in self.policy.needs:
+            return {}
+        return {"count": (self.cache.seen - positions).to(torch.float32)}
 
     def _stored_keys(self, key_states: torch.Tensor) -> torch.Tensor:
         """What is written: the keys as rotated by the model, or un-rotated under positions=reindex."""
@@ -190,10 +222,9 @@ class BudgetedLayer(_LayerBase):
             )
         self.store.write(self.length, self._stored_keys(key_states)[0], value_states[0])
         self.positions[:, self.length : end] = self.cache.step_positions
-        for buf in self.stats.values():
-            buf[:, self.length : end] = 0.0
-        if self.qlog is not None:
-            self.qlog[:, :, self.length : end] = 0.0
+        if self.table is not None:
+            self.table[:, self.length : end] = 0.0
+            self._write_features(self.length, end)
         keys, values = self.store.read(end)
         if self.cache.rotary is not None:  # contiguous run ending at the step's last fed position
             start = int(self.cache.step_model_positions[0]) - self.length
@@ -221,25 +252,21 @@ class BudgetedLayer(_LayerBase):
                 self.stats["last"][:, :total] = value
             elif name in self.stats:
                 self.stats[name][:, :total] += value
-        if "count" in self.stats:
-            # Queries of this step that could see each entry: every one for the past, fewer inside the chunk.
-            self.stats["count"][:, : self.length] += n_new
-            self.stats["count"][:, self.length : total] += torch.arange(
-                n_new, 0, -1, device=self.device, dtype=torch.float32
-            )
         if self.qlog is not None and "qlog" in stats:
             slots = self._ring_slots(stats["qlog"].shape[1])
-            self.qlog[:, slots, :total] = stats["qlog"]
-            self.qlog_nvis[:, slots] = stats["qlog_nvis"]
+            rows = self._logged(stats)
+            self.qlog[:, slots, :total] = rows[:, 0] if isinstance(slots, int) else rows
+            self.qlog_nvis[:, slots] = stats["qlog_nvis"][:, 0] if isinstance(slots, int) else stats["qlog_nvis"]
         self.length = total
 
     def state(self) -> TokenState:
         n = self.length
-        stats = {k: v[:, :n] for k, v in self.stats.items()}
+        positions = self.positions[:, :n]
+        stats = {k: v[:, :n] for k, v in self.stats.items()} | self._derived_stats(positions)
         if self.qlog is not None:
             stats["qlog"], stats["qlog_nvis"] = self.qlog[:, :, :n], self.qlog_nvis
         return TokenState(
-            positions=self.positions[:, :n],
+            positions=positions,
             stats=stats,
             layer_idx=self.layer_idx,
             generator=self.cache.generator,
@@ -264,16 +291,16 @@ class BudgetedLayer(_LayerBase):
             self.store.write(0, k_new.gather(1, idx.expand(-1, -1, k_new.shape[-1])).to(self.dtype),
                              v_new.gather(1, idx.expand(-1, -1, v_new.shape[-1])).to(self.dtype))
             self.stats["mass"][:, : keep.shape[-1]] += absorbed.gather(1, keep)
+            self._write_features(0, keep.shape[-1])
 
     def compact(self, keep: torch.Tensor) -> None:
         """Move the kept rows of every buffer to the front, in place."""
-        k = keep.shape[-1]
-        self.store.compact(keep)
+        groups, k = keep.shape
+        rows = self.store.flat_rows(keep)
+        self.store.compact(rows, groups)
         self.positions[:, :k] = self.positions.gather(1, keep)
-        for buf in self.stats.values():
-            buf[:, :k] = buf.gather(1, keep)
-        if self.qlog is not None:
-            self.qlog[:, :, :k] = self.qlog.gather(2, keep.unsqueeze(1).expand(-1, self.qlog.shape[1], -1))
+        if self.table is not None:
+            compact_rows(self.table, rows, groups)
         self.length = k
 
     def kept_positions(self) -> torch.Tensor:
@@ -342,10 +369,9 @@ class PooledLayer(_LayerBase):
         self.store.write(start, stored.reshape(1, h * q, -1), value_states[0].reshape(1, h * q, -1))
         self.row_head[start:end] = torch.arange(h, device=self.device).repeat_interleave(q)
         self.positions[0, start:end] = self.cache.step_positions.repeat(h)
-        for buf in self.stats.values():
-            buf[0, start:end] = 0.0
-        if self.qlog is not None:
-            self.qlog[0, :, start:end] = 0.0
+        if self.table is not None:
+            self.table[0, start:end] = 0.0
+            self._write_features(start, end)
         self.rows = end
         self.lengths += q
         self.view_index = torch.cat([past_idx, new_rows], dim=1)
@@ -383,18 +409,13 @@ class PooledLayer(_LayerBase):
                 self.stats["last"][0, rows] = value[sel]
             elif name in self.stats:
                 self.stats[name][0, rows] += value[sel]
-        past = self.view_index.shape[1] - n_new
-        if "count" in self.stats:
-            past_rows = self.view_index[:, :past][sel[:, :past]]
-            self.stats["count"][0, past_rows] += n_new
-            new_rows = self.view_index[:, past:].reshape(-1)
-            steps = torch.arange(n_new, 0, -1, device=self.device, dtype=torch.float32)
-            self.stats["count"][0, new_rows] += steps.repeat(self.heads)
         if self.qlog is not None and "qlog" in stats:
-            slots = self._ring_slots(stats["qlog"].shape[1])
+            r = stats["qlog"].shape[1]
+            slots = self._ring_slots(r)
+            slots = torch.tensor([slots], device=self.device) if isinstance(slots, int) else slots
             held = self.rows
             self.qlog[0][:, :held][slots] = 0.0
-            vals = stats["qlog"].permute(1, 0, 2)[:, sel]  # [r, entries]
+            vals = self._logged(stats).permute(1, 0, 2)[:, sel]  # [r, entries]
             self.qlog[0][slots.unsqueeze(1), rows.unsqueeze(0)] = vals
             self.qlog_nvis[:, slots] = stats["qlog_nvis"]
 
@@ -402,12 +423,16 @@ class PooledLayer(_LayerBase):
         idx, valid = self.index()
         self.state_index = idx
         mask = valid.to(torch.float32)
-        stats = {name: buf[0][idx] * mask for name, buf in self.stats.items()}
-        if self.qlog is not None:
-            stats["qlog"] = self.qlog[0][:, idx].permute(1, 0, 2) * mask.unsqueeze(1)
-            stats["qlog_nvis"] = self.qlog_nvis
+        positions = self.positions[0][idx].masked_fill(~valid, 0)
+        stats = {name: value * mask for name, value in self._derived_stats(positions).items()}
+        if self.table is not None:
+            rows = self.table[0][idx] * mask.unsqueeze(-1)  # [H, L, columns]
+            stats |= {name: rows[..., i] for i, name in enumerate(self.stats)}
+            if self.qlog is not None:
+                stats["qlog"] = rows[..., len(self.stats):].transpose(1, 2)
+                stats["qlog_nvis"] = self.qlog_nvis
         return TokenState(
-            positions=self.positions[0][idx].masked_fill(~valid, 0),
+            positions=positions,
             stats=stats,
             layer_idx=self.layer_idx,
             generator=self.cache.generator,
@@ -433,17 +458,15 @@ class PooledLayer(_LayerBase):
             k_new, v_new, absorbed = merged
             self.store.write(0, k_new[keep].unsqueeze(0).to(self.dtype), v_new[keep].unsqueeze(0).to(self.dtype))
             self.stats["mass"][0, : kept_rows.shape[0]] += absorbed[keep]
+            self._write_features(0, kept_rows.shape[0])
 
     def compact(self, kept_rows: torch.Tensor) -> None:
         k = kept_rows.shape[0]
-        keep = kept_rows.unsqueeze(0)
-        self.store.compact(keep)
+        self.store.compact(kept_rows, 1)
         self.row_head[:k] = self.row_head[kept_rows]
-        self.positions[:, :k] = self.positions.gather(1, keep)
-        for buf in self.stats.values():
-            buf[:, :k] = buf.gather(1, keep)
-        if self.qlog is not None:
-            self.qlog[0, :, :k] = self.qlog[0][:, kept_rows]
+        self.positions[:, :k] = self.positions[:, kept_rows]
+        if self.table is not None:
+            compact_rows(self.table, kept_rows, 1)
         self.rows = k
 
     def kept_positions(self) -> torch.Tensor:
@@ -484,6 +507,7 @@ class BudgetedCache(Cache):
         self.generator.manual_seed(seed)
         self.step_positions = torch.zeros(0, dtype=torch.long, device=device)
         self.step_model_positions = self.step_positions
+        self.seen = 0
         self.evicting = False
         self.phase = "prefill"
         self.rotary: Rotary | None = None
@@ -499,6 +523,7 @@ class BudgetedCache(Cache):
         ("prefill" for prompt chunks, "decode" for generated tokens). Returns the positions to feed the model:
         the same absolute positions, or under ``positions: reindex`` the next contiguous positions."""
         self.step_positions = positions
+        self.seen = int(positions[-1]) + 1
         self.evicting = evicting
         self.phase = phase
         if self.rotary is None:

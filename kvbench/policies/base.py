@@ -25,8 +25,9 @@ POSITION_MODES = ("absolute", "reindex")
 class TokenState:
     """What a layer holds right now, per KV head.
 
-    ``positions`` [H, n] (absolute sequence positions), ``stats`` {name: [H, n]} plus, when a score keeps a
-    query log, ``qlog`` [H, W, n] and ``qlog_nvis`` [H, W]; ``keys``/``values`` [H, n, D] (loaded lazily:
+    ``positions`` [H, n] (absolute sequence positions), ``stats`` {name: [H, n]} (attention statistics and the
+    score's write-time features) plus, when a score keeps a query log, ``qlog`` [H, W, n] (the rows as the
+    score's ``log_rows`` made them) and ``qlog_nvis`` [H, W]; ``keys``/``values`` [H, n, D] (loaded lazily:
     quantised or pooled layers only dequantise/gather them when a part reads them).
 
     ``valid`` is None when every head holds the same ``n`` tokens. Under per-head allocation heads hold
@@ -60,6 +61,14 @@ class TokenState:
         self.generator = generator
         self.phase = phase
         self.valid = valid
+        self._derived: dict[str, torch.Tensor] = {}
+
+    def derived(self, name: str, compute: Callable[["TokenState"], torch.Tensor]) -> torch.Tensor:
+        """A quantity computed from this state once, shared by the parts that read it (RoCo's mean
+        attention is the score, and the robust scope's deviation is built on it)."""
+        if name not in self._derived:
+            self._derived[name] = compute(self)
+        return self._derived[name]
 
     def _load(self) -> None:
         if self._load_kv is None:
@@ -110,10 +119,22 @@ class Score(ABC):
     # Stages in which the score has no meaning (e.g. SnapKV's observation window needs a prompt).
     unsupported_stages: tuple[str, ...] = ()
     why_unsupported: str = ""
+    # Per-entry quantities fixed when an entry is written (``features``), kept beside the statistics so that
+    # a score reads them instead of recomputing them from every held key or value at every step.
+    feature_names: frozenset[str] = frozenset()
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
         """Scores, float [kv_heads, n]."""
+
+    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{name: [H, q]} for new entries, keys/values [H, q, D] as stored (``feature_names``)."""
+        return {}
+
+    def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
+        """What the query log keeps of the newest queries: probs [H, r, n] (GQA group-mean attention rows,
+        0 where a key was not visible), nvis [H, r] (keys each query saw). The rows themselves by default."""
+        return probs
 
 
 class Scope(ABC):
@@ -202,6 +223,13 @@ class Policy:
     @property
     def needs_attention(self) -> bool:
         return bool(self.needs & ATTENTION_STATS)
+
+    @property
+    def feature_names(self) -> frozenset[str]:
+        return self.score.feature_names if self.evicts else frozenset()
+
+    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.score.features(keys, values)
 
     @property
     def history(self) -> int:

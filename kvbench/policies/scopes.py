@@ -6,7 +6,7 @@ import math
 import torch
 
 from kvbench.policies.base import Scope, TokenState, resolve_count
-from kvbench.policies.scores import attention_mean_std
+from kvbench.policies.scores import attention_deviation
 
 # A layer keeps each head's tokens in sequence order (compaction preserves order, new tokens are appended),
 # so "oldest" and "newest" are slices of each head's entries. Under per-head allocation heads hold
@@ -96,15 +96,34 @@ class Robust(Scope):
 
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:
         sinks = min(self.n_sink, budget)
-        base = first_n(state, sinks) | last_n(state, min(self.n_recent, budget - sinks))
+        recent = min(self.n_recent, budget - sinks)
         k = min(self.std_count(budget, state.phase), state.length)
+        if state.valid is None:
+            return self._protected_in_order(state, sinks, recent, k)
+        base = first_n(state, sinks) | last_n(state, recent)
         if k == 0:
             return base
-        _, std = attention_mean_std(state.stats)
+        std = attention_deviation(state)
         candidates = std.masked_fill(base | ~state.valid_mask(), float("-inf"))
         idx = torch.topk(candidates, k, dim=-1, sorted=False).indices
         chosen = torch.zeros_like(base).scatter_(1, idx, True) & torch.isfinite(candidates)
         return base | chosen
+
+    @staticmethod
+    def _protected_in_order(state: TokenState, sinks: int, recent: int, k: int) -> torch.Tensor:
+        """Heads of one length: the sinks and the recent window are the two ends of each row, so the
+        std candidates are the slice between them (the decode step's path: a handful of ops)."""
+        n = state.length
+        lo = min(sinks, n)
+        hi = max(lo, n - recent)
+        mask = torch.zeros_like(state.positions, dtype=torch.bool)
+        mask[:, :lo] = True
+        mask[:, hi:] = True
+        k = min(k, hi - lo)
+        if k > 0:
+            idx = torch.topk(attention_deviation(state)[:, lo:hi], k, dim=-1, sorted=False).indices
+            mask.scatter_(1, idx + lo, True)
+        return mask
 
     def min_budget(self) -> int:
         return self.n_sink + self.n_recent + 1

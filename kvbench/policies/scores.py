@@ -44,10 +44,23 @@ def attention_mean_std(stats: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     Over the ``count`` queries that could see the token (each query at or after it, while it was held):
     mean = acc / count, std = sqrt(sumsq / count - mean²). A token no query has seen yet scores 0.
     """
-    count = stats["count"].clamp_min(1.0)
-    mean = stats["acc"] / count
-    var = (stats["sumsq"] / count - mean.square()).clamp_min(0.0)
-    return mean, var.sqrt()
+    mean = stats["acc"] / stats["count"].clamp_min(1.0)
+    return mean, attention_std(stats, mean)
+
+
+def attention_std(stats: dict[str, torch.Tensor], mean: torch.Tensor) -> torch.Tensor:
+    var = (stats["sumsq"] / stats["count"].clamp_min(1.0) - mean.square()).clamp_min(0.0)
+    return var.sqrt()
+
+
+def mean_attention(state: TokenState) -> torch.Tensor:
+    """``attention_mean_std``'s mean, computed once per state."""
+    return state.derived("mean", lambda s: s.stats["acc"] / s.stats["count"].clamp_min(1.0))
+
+
+def attention_deviation(state: TokenState) -> torch.Tensor:
+    """``attention_mean_std``'s standard deviation, computed once per state (on the shared mean)."""
+    return state.derived("std", lambda s: attention_std(s.stats, mean_attention(s)))
 
 
 class MeanAttention(Score):
@@ -57,7 +70,7 @@ class MeanAttention(Score):
     needs = frozenset({"acc", "count"})
 
     def __call__(self, state: TokenState) -> torch.Tensor:
-        return state.stats["acc"] / state.stats["count"].clamp_min(1.0)
+        return mean_attention(state)
 
 
 class LastQuery(Score):
@@ -77,6 +90,7 @@ class Hits(Score):
     and the (GQA group-mean) attention probability a_ij >= threshold / n_i, where n_i is the number of
     entries query i could see: ``threshold = 1`` means "at least the uniform share", ScissorHands' average
     attention 1/t. The score of j is its number of hits; tokens that keep being important have the most.
+    The log keeps each query's hit indicators (``log_rows``), decided once when the query is logged.
     (ScissorHands counts the complementary "below average" events and evicts the largest counts; counting
     hits differs only for tokens younger than the window, which scopes protect as its recent window.)
     """
@@ -91,10 +105,12 @@ class Hits(Score):
         self.history = int(history)
         self.threshold = float(threshold)
 
+    def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
+        bar = self.threshold / nvis.clamp_min(1.0)
+        return ((probs >= bar.unsqueeze(-1)) & (probs > 0)).to(torch.float32)
+
     def __call__(self, state: TokenState) -> torch.Tensor:
-        log, nvis = state.stats["qlog"], state.stats["qlog_nvis"]  # [H, W, n], [H, W]
-        bar = torch.where(nvis > 0, self.threshold / nvis.clamp_min(1.0), torch.full_like(nvis, float("inf")))
-        return ((log >= bar.unsqueeze(-1)) & (log > 0)).sum(dim=1).to(torch.float32)
+        return state.stats["qlog"].sum(dim=1)
 
 
 class ObservationWindow(Score):
@@ -141,15 +157,21 @@ def pool_neighbours(scores: torch.Tensor, kernel_size: int, pooling: str) -> tor
 
 class KeyNorm(Score):
     """Keys with a LOWER L2 norm are kept (Devoto et al.: low key norm goes with high attention). Free: no
-    attention needed. RoPE is a rotation, so the norm of a rotated key is the norm of the raw key."""
+    attention needed. RoPE is a rotation, so the norm of a rotated key is the norm of the raw key; it is
+    taken once, when the key is written."""
+
+    feature_names = frozenset({"key_norm"})
+
+    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"key_norm": keys.to(torch.float32).norm(dim=-1)}
 
     def __call__(self, state: TokenState) -> torch.Tensor:
-        return -state.keys.to(torch.float32).norm(dim=-1)
+        return -state.stats["key_norm"]
 
 
 class ValueAware(Score):
     """VATP: attention × value norm. ``base`` is an attention score (accumulated by default), multiplied by
-    the ``p``-norm of the token's value vector (VATP uses the L1 norm)."""
+    the ``p``-norm of the token's value vector (VATP uses the L1 norm), taken once when the value is written."""
 
     def __init__(self, base: str = "accumulated", p: float = 1.0):
         if base not in SCORES or base == "value_aware":
@@ -160,9 +182,16 @@ class ValueAware(Score):
         self.history = self.base.history
         self.unsupported_stages = self.base.unsupported_stages
         self.why_unsupported = self.base.why_unsupported
+        self.feature_names = self.base.feature_names | {"value_norm"}
+
+    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.base.features(keys, values) | {"value_norm": values.to(torch.float32).norm(p=self.p, dim=-1)}
+
+    def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
+        return self.base.log_rows(probs, nvis)
 
     def __call__(self, state: TokenState) -> torch.Tensor:
-        return self.base(state) * state.values.to(torch.float32).norm(p=self.p, dim=-1)
+        return self.base(state) * state.stats["value_norm"]
 
 
 class SharedAcrossHeads(Score):
@@ -175,6 +204,13 @@ class SharedAcrossHeads(Score):
         self.history = inner.history
         self.unsupported_stages = inner.unsupported_stages
         self.why_unsupported = inner.why_unsupported
+        self.feature_names = inner.feature_names
+
+    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.inner.features(keys, values)
+
+    def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
+        return self.inner.log_rows(probs, nvis)
 
     def __call__(self, state: TokenState) -> torch.Tensor:
         if state.valid is not None:
