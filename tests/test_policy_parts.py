@@ -87,7 +87,7 @@ def test_full_never_evicts_and_unknown_parts_are_named():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from kvbench.engine.attention import attention_statistics  # noqa: E402
+from kvbench.engine.attention import attention_statistics, decode_attention  # noqa: E402
 from kvbench.policies.allocation import Adaptive, Pyramid  # noqa: E402
 from kvbench.policies.base import Allocation, Score  # noqa: E402
 from kvbench.policies.merge import merge_evicted  # noqa: E402
@@ -287,6 +287,25 @@ def np_statistics(q: np.ndarray, k: np.ndarray, past: int, visible: np.ndarray, 
     r = min(nq, history)
     return {"acc": probs.sum(1), "sumsq": (probs**2).sum(1), "last": probs[:, -1],
             "qlog": probs[:, nq - r :], "qlog_nvis": nvis[:, nq - r :]}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_attention_gives_sdpa_output_and_the_reference_statistics(masked):
+    """The decode step's single pass: SDPA's output (GQA, with the past mask) and the dense statistics."""
+    rng = np.random.default_rng(6)
+    q, k, v = rng.normal(size=(4, 1, 8)), rng.normal(size=(2, 9, 8)), rng.normal(size=(2, 9, 8))
+    visible = np.array([[True, False, True, True, True, False, True, True],
+                        [False, True, True, True, True, True, True, True]]) if masked else np.ones((2, 8), bool)
+    expected = np_statistics(q, k, 8, visible, history=4)
+    t = lambda a: torch.tensor(a).float().unsqueeze(0)  # noqa: E731
+    output, got = decode_attention(t(q), t(k), t(v), 8**-0.5, torch.tensor(visible) if masked else None,
+                                   frozenset({"acc", "sumsq", "last", "qlog"}), history=4)
+    for name, ref in expected.items():
+        np.testing.assert_allclose(got[name].numpy(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
+    allowed = torch.cat([torch.tensor(visible), torch.ones(2, 1, dtype=torch.bool)], 1).repeat_interleave(2, 0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(t(q), t(k).repeat_interleave(2, 1), t(v).repeat_interleave(2, 1),
+                                                            attn_mask=allowed.unsqueeze(1), scale=8**-0.5)
+    torch.testing.assert_close(output, sdpa.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("block", [1 << 22, 7])

@@ -4,8 +4,10 @@ The output comes from transformers' own SDPA path (a fused kernel), with a mask 
 per layer: causal inside the new chunk, every kept past entry visible (except what the layer's
 ``visible_past`` hides: masked replay, or the padding of a per-head-allocated layer's view). Only the
 statistics the policy asks for are computed, a block of queries at a time, so no n×n matrix is ever
-held; a policy that needs none (window, key norm, random) pays nothing. Once the output exists the
-cache folds the statistics in and evicts: the step's own queries count.
+held; a policy that needs none (window, key norm, random) pays nothing. A decode step (one query) of a
+policy that needs them computes its probabilities once and takes both the output and the statistics from
+them, as an implementation of such a policy would. Once the output exists the cache folds the statistics
+in and evicts: the step's own queries count.
 """
 from __future__ import annotations
 
@@ -87,6 +89,37 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
     return out
 
 
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                     visible_past: torch.Tensor | None, needs: frozenset[str],
+                     history: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One query that sees every held entry (but what ``visible_past`` hides): the attention output, in the
+    layout transformers' attention functions return ([1, 1, heads, Dv]), and the statistics of
+    ``attention_statistics`` for that query, both from one set of probabilities (float32)."""
+    _, hq, _, dim = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    group = hq // hkv
+    qh = query[0].reshape(hkv, group, dim).to(torch.float32) * scaling
+    logits = torch.matmul(qh, key[0].to(torch.float32).transpose(-1, -2))  # [hkv, group, n]
+    if visible_past is not None:
+        visible = torch.cat([visible_past, visible_past.new_ones(hkv, 1)], dim=1)
+        logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    output = torch.matmul(probs, value[0].to(torch.float32)).to(query.dtype).reshape(1, 1, hq, -1)
+    row = probs.mean(dim=1)  # GQA: the group's mean, [hkv, n]
+    stats: dict[str, torch.Tensor] = {}
+    if "acc" in needs:
+        stats["acc"] = row
+    if "sumsq" in needs:
+        stats["sumsq"] = row.square()
+    if "last" in needs:
+        stats["last"] = row
+    if "qlog" in needs and history > 0:
+        stats["qlog"] = row.unsqueeze(1)
+        stats["qlog_nvis"] = (torch.full((hkv, 1), float(n), device=key.device) if visible_past is None
+                              else visible.sum(dim=-1, keepdim=True).to(torch.float32))
+    return output, stats
+
+
 def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, None]:
@@ -98,6 +131,11 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q, n = query.shape[2], key.shape[2]
     past = n - q
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    policy = cache.policy
+    if q == 1 and policy.needs_attention:
+        output, stats = decode_attention(query, key, value, scaling, layer.visible_past, policy.needs, policy.history)
+        cache.after_attention(module.layer_idx, q, stats)
+        return output, None
     mask = None
     if layer.visible_past is not None:
         group = query.shape[1] // key.shape[1]
@@ -106,7 +144,6 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0)
     output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
                                        is_causal=mask is None and q > 1)
-    policy = cache.policy
     stats = (attention_statistics(query, key, scaling, past, layer.visible_past, policy.needs, policy.history)
              if policy.needs_attention else {})
     cache.after_attention(module.layer_idx, q, stats)
