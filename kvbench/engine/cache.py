@@ -321,9 +321,10 @@ class BudgetedLayer(_LayerBase):
 class PooledLayer(_LayerBase):
     """Per-head allocation: one pool of (head, token) rows; head h holds ``lengths[h]`` of them.
 
-    Rows carry their head (``row_head``) and absolute position; each head's rows are in sequence order
-    (compaction keeps order, new rows are appended), so a stable sort by head lists every head's entries.
-    ``length`` is the mean count per head (what the layer holds per head, on average).
+    ``head_rows`` [H, pool rows] lists each head's pool rows in sequence order, front-aligned (entry j of head
+    h is row ``head_rows[h, j]`` for j < ``lengths[h]``; later slots hold stale but in-range rows). New rows
+    are appended to their head's list; compaction stores the kept rows head-major, so the lists become
+    contiguous ranges again. No step sorts anything. ``length`` is the mean count per head.
     """
 
     def __init__(self, layer_idx: int, plan: LayerPlan, policy: Policy, cache: "BudgetedCache"):
@@ -331,8 +332,8 @@ class PooledLayer(_LayerBase):
         self.rows = 0
         self.heads = 0
         self.lengths: torch.Tensor | None = None
+        self.longest = 0
         self.view_index: torch.Tensor | None = None
-        self.view_valid: torch.Tensor | None = None
 
     @property
     def length(self) -> float:
@@ -341,17 +342,14 @@ class PooledLayer(_LayerBase):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.heads = key_states.shape[1]
         self._init_store(key_states, value_states, 1, self.heads * self.plan.capacity)
-        self.row_head = torch.zeros(self.heads * self.plan.capacity, dtype=torch.long, device=self.device)
+        # A head may come to hold most of the pool (budgets move between heads), so each list spans it.
+        self.head_rows = torch.zeros(self.heads, self.heads * self.plan.capacity, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(self.heads, dtype=torch.long, device=self.device)
 
     def index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per head, its rows in sequence order padded to the longest head: (rows [H, L], valid [H, L])."""
-        order = torch.sort(self.row_head[: self.rows], stable=True).indices
-        longest = int(self.lengths.max()) if self.rows else 0
-        valid = torch.arange(longest, device=self.device).unsqueeze(0) < self.lengths.unsqueeze(1)
-        idx = torch.zeros(self.heads, longest, dtype=torch.long, device=self.device)
-        idx[valid] = order
-        return idx, valid
+        valid = torch.arange(self.longest, device=self.device).unsqueeze(0) < self.lengths.unsqueeze(1)
+        return self.head_rows[:, : self.longest], valid
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -362,21 +360,23 @@ class PooledLayer(_LayerBase):
                 f"layer {self.layer_idx}: {self.rows + h * q} rows exceed the pre-allocated pool {self.store.k.shape[2]}"
             )
         past_idx, past_valid = self.index()
-        lengths_before = self.lengths.clone()
+        uneven = self.rows != h * self.longest
         start, end = self.rows, self.rows + h * q
         new_rows = torch.arange(start, end, device=self.device).view(h, q)
         stored = self._stored_keys(key_states)[0]
         self.store.write(start, stored.reshape(1, h * q, -1), value_states[0].reshape(1, h * q, -1))
-        self.row_head[start:end] = torch.arange(h, device=self.device).repeat_interleave(q)
         self.positions[0, start:end] = self.cache.step_positions.repeat(h)
         if self.table is not None:
             self.table[0, start:end] = 0.0
             self._write_features(start, end)
-        self.rows = end
-        self.lengths += q
+        # The step's view: each head's past (padded to the longest head), then its new rows.
         self.view_index = torch.cat([past_idx, new_rows], dim=1)
-        self.view_valid = torch.cat([past_valid, torch.ones(h, q, dtype=torch.bool, device=self.device)], dim=1)
-        self.visible_past = None if bool(past_valid.all()) else past_valid
+        self.visible_past = past_valid if uneven else None
+        self.head_rows.scatter_(1, self.lengths.unsqueeze(1) + torch.arange(q, device=self.device), new_rows)
+        lengths_before = self.lengths
+        self.lengths = self.lengths + q
+        self.longest += q
+        self.rows = end
         keys, values = self.store.gather(self.view_index)
         if self.cache.rotary is not None:
             p = int(self.cache.step_model_positions[0])
@@ -394,29 +394,33 @@ class PooledLayer(_LayerBase):
 
     def reset(self) -> None:
         self.rows = 0
+        self.longest = 0
         if self.lengths is not None:
             self.lengths.zero_()
 
     def max_head_length(self) -> int:
-        return int(self.lengths.max()) if self.lengths is not None and self.rows else 0
+        return self.longest
 
     def observe(self, n_new: int, stats: dict[str, torch.Tensor]) -> None:
-        """Stats arrive in the step's padded view [H, past + new]; scatter them back to the pool rows."""
-        sel = self.view_valid
-        rows = self.view_index[sel]
+        """Stats arrive in the step's view [H, past + new]; add them to the pool rows the view was read from.
+        Padding slots of the view point at some real row but carry exactly zero (their attention was masked
+        out), so adding everything is exact; ``last`` is replaced by zeroing it first."""
+        rows = self.view_index.reshape(-1)
         for name, value in stats.items():
-            if name == "last":
-                self.stats["last"][0, rows] = value[sel]
-            elif name in self.stats:
-                self.stats[name][0, rows] += value[sel]
+            if name in self.stats:
+                column = self.stats[name][0]
+                if name == "last":
+                    column[: self.rows] = 0.0
+                column.index_add_(0, rows, value.reshape(-1))
         if self.qlog is not None and "qlog" in stats:
             r = stats["qlog"].shape[1]
             slots = self._ring_slots(r)
             slots = torch.tensor([slots], device=self.device) if isinstance(slots, int) else slots
-            held = self.rows
-            self.qlog[0][:, :held][slots] = 0.0
-            vals = self._logged(stats).permute(1, 0, 2)[:, sel]  # [r, entries]
-            self.qlog[0][slots.unsqueeze(1), rows.unsqueeze(0)] = vals
+            log = self.qlog[0]  # [history, rows]
+            log[:, : self.rows][slots] = 0.0
+            vals = self._logged(stats).permute(1, 0, 2).reshape(r, -1)  # [r, view entries]
+            for i in range(r):
+                log[slots[i]].index_add_(0, rows, vals[i])
             self.qlog_nvis[:, slots] = stats["qlog_nvis"]
 
     def state(self) -> TokenState:
@@ -437,7 +441,7 @@ class PooledLayer(_LayerBase):
             layer_idx=self.layer_idx,
             generator=self.cache.generator,
             phase=self.cache.phase,
-            valid=None if bool(valid.all()) else valid,
+            valid=None if self.rows == self.heads * self.longest else valid,
             load_kv=lambda: self.store.gather(idx),
         )
 
@@ -452,22 +456,27 @@ class PooledLayer(_LayerBase):
         if self.policy.merge:
             merged = merge_evicted(state.keys, state.values, self._merge_inputs(state), keep, state.valid)
         kept_rows = idx[keep]  # head-major, sequence order within each head
-        self.compact(kept_rows)
-        self.lengths = keep.sum(dim=1)
+        self.compact(kept_rows, keep.sum(dim=1))
         if merged is not None:
             k_new, v_new, absorbed = merged
             self.store.write(0, k_new[keep].unsqueeze(0).to(self.dtype), v_new[keep].unsqueeze(0).to(self.dtype))
             self.stats["mass"][0, : kept_rows.shape[0]] += absorbed[keep]
             self._write_features(0, kept_rows.shape[0])
 
-    def compact(self, kept_rows: torch.Tensor) -> None:
+    def compact(self, kept_rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Keep ``kept_rows`` (head-major), ``lengths[h]`` of them for head h: each head's list becomes the
+        range of rows it now occupies."""
         k = kept_rows.shape[0]
         self.store.compact(kept_rows, 1)
-        self.row_head[:k] = self.row_head[kept_rows]
         self.positions[:, :k] = self.positions[:, kept_rows]
         if self.table is not None:
             compact_rows(self.table, kept_rows, 1)
         self.rows = k
+        self.lengths = lengths
+        self.longest = int(lengths.max())
+        offsets = torch.cumsum(lengths, 0) - lengths
+        ranges = offsets.unsqueeze(1) + torch.arange(self.longest, device=self.device)
+        self.head_rows[:, : self.longest] = ranges.clamp_max(self.store.k.shape[2] - 1)
 
     def kept_positions(self) -> torch.Tensor:
         """[H, longest head]; a head holding fewer entries repeats its newest position (a set, for replay)."""

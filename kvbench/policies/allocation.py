@@ -100,21 +100,24 @@ class Adaptive(Allocation):
         h, n = scores.shape
         valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
         lengths = valid.sum(dim=1)
-        total = h * budget
-        if int(lengths.sum()) <= total:
+        held, total = int(lengths.sum()), h * budget
+        if held <= total:
             return valid.clone()
         scores = scores.masked_fill(~valid, float("-inf"))
         protected = torch.isposinf(scores).sum(dim=1)
         floor = torch.minimum(lengths, protected.clamp_min(math.floor(self.floor * budget + 1e-9)))
-        order = scores.argsort(dim=1, descending=True, stable=True)
-        ranks_ok = torch.arange(n, device=scores.device).unsqueeze(0) < floor.unsqueeze(1)
-        keep = torch.zeros_like(valid).scatter_(1, order, ranks_ok)
-        remaining = total - int(floor.sum())
-        if remaining > 0:
-            rest = scores.masked_fill(keep, float("-inf")).flatten()
-            top = torch.topk(rest, remaining, sorted=False).indices
-            keep.view(-1)[top] = True
-        return keep & valid
+        guaranteed = torch.zeros_like(valid)
+        most = int(floor.max())
+        if most > 0:  # each head's best ``floor`` entries (protected ones first: they score +inf)
+            best = torch.topk(scores, most, dim=1, sorted=True).indices
+            guaranteed.scatter_(1, best, torch.arange(most, device=scores.device).unsqueeze(0) < floor.unsqueeze(1))
+        # The layer total: drop the lowest of the other entries, whichever head holds them (there are
+        # enough of them: a head's floor never exceeds its budget).
+        candidates = scores.masked_fill(guaranteed | ~valid, float("inf")).flatten()
+        dropped = torch.topk(candidates, held - total, largest=False, sorted=False).indices
+        keep = valid.clone()
+        keep.view(-1)[dropped] = False
+        return keep
 
     def describe(self) -> str:
         return f"adaptive(floor={self.floor:g})"
