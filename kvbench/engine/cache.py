@@ -80,6 +80,17 @@ class KVStore:
             codes[0, :, start:end] = c
             scales[0, :, start:end] = s
 
+    def write_rows(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows ``rows`` (long [n]) of a single-group store: k [n, D]."""
+        if self.quantizer is None:
+            self.k[0, 0].index_copy_(0, rows, k)
+            self.v[0, 0].index_copy_(0, rows, v)
+            return
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            c, s = self.quantizer.quantize(x)
+            codes[0, 0].index_copy_(0, rows, c)
+            scales[0, 0].index_copy_(0, rows, s)
+
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         return codes if self.quantizer is None else self.quantizer.dequantize(codes, scales, self.dtype)
 
@@ -321,10 +332,11 @@ class BudgetedLayer(_LayerBase):
 class PooledLayer(_LayerBase):
     """Per-head allocation: one pool of (head, token) rows; head h holds ``lengths[h]`` of them.
 
-    ``head_rows`` [H, pool rows] lists each head's pool rows in sequence order, front-aligned (entry j of head
-    h is row ``head_rows[h, j]`` for j < ``lengths[h]``; later slots hold stale but in-range rows). New rows
-    are appended to their head's list; compaction stores the kept rows head-major, so the lists become
-    contiguous ranges again. No step sorts anything. ``length`` is the mean count per head.
+    Rows never move. ``head_rows`` [H, pool rows] lists each head's rows in sequence order, front-aligned
+    (entry j of head h is row ``head_rows[h, j]`` for j < ``lengths[h]``; later slots hold stale but in-range
+    rows); new entries take rows from the ``free`` list and are appended to their head's list, evicted
+    entries give their rows back. A step therefore rewrites only the rows of new entries and the small
+    lists, never the held K/V, and sorts nothing. ``length`` is the mean count per head.
     """
 
     def __init__(self, layer_idx: int, plan: LayerPlan, policy: Policy, cache: "BudgetedCache"):
@@ -341,10 +353,12 @@ class PooledLayer(_LayerBase):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.heads = key_states.shape[1]
-        self._init_store(key_states, value_states, 1, self.heads * self.plan.capacity)
+        pool = self.heads * self.plan.capacity
+        self._init_store(key_states, value_states, 1, pool)
         # A head may come to hold most of the pool (budgets move between heads), so each list spans it.
-        self.head_rows = torch.zeros(self.heads, self.heads * self.plan.capacity, dtype=torch.long, device=self.device)
+        self.head_rows = torch.zeros(self.heads, pool, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(self.heads, dtype=torch.long, device=self.device)
+        self.free = torch.arange(pool, device=self.device)
 
     def index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per head, its rows in sequence order padded to the longest head: (rows [H, L], valid [H, L])."""
@@ -355,20 +369,23 @@ class PooledLayer(_LayerBase):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         h, q = key_states.shape[1], key_states.shape[2]
-        if self.rows + h * q > self.store.k.shape[2]:
+        if h * q > self.free.shape[0]:
             raise RuntimeError(
                 f"layer {self.layer_idx}: {self.rows + h * q} rows exceed the pre-allocated pool {self.store.k.shape[2]}"
             )
         past_idx, past_valid = self.index()
         uneven = self.rows != h * self.longest
-        start, end = self.rows, self.rows + h * q
-        new_rows = torch.arange(start, end, device=self.device).view(h, q)
+        taken, self.free = self.free[: h * q], self.free[h * q :]
+        new_rows = taken.view(h, q)
         stored = self._stored_keys(key_states)[0]
-        self.store.write(start, stored.reshape(1, h * q, -1), value_states[0].reshape(1, h * q, -1))
-        self.positions[0, start:end] = self.cache.step_positions.repeat(h)
+        self.store.write_rows(taken, stored.reshape(h * q, -1), value_states[0].reshape(h * q, -1))
+        self.positions[0].index_copy_(0, taken, self.cache.step_positions.repeat(h))
         if self.table is not None:
-            self.table[0, start:end] = 0.0
-            self._write_features(start, end)
+            self.table[0].index_fill_(0, taken, 0.0)
+            if self.policy.feature_names:
+                keys, values = self.store.gather(taken.unsqueeze(0))
+                for name, value in self.policy.features(keys, values).items():
+                    self.stats[name][0].index_copy_(0, taken, value[0])
         # The step's view: each head's past (padded to the longest head), then its new rows.
         self.view_index = torch.cat([past_idx, new_rows], dim=1)
         self.visible_past = past_valid if uneven else None
@@ -376,7 +393,7 @@ class PooledLayer(_LayerBase):
         lengths_before = self.lengths
         self.lengths = self.lengths + q
         self.longest += q
-        self.rows = end
+        self.rows += h * q
         keys, values = self.store.gather(self.view_index)
         if self.cache.rotary is not None:
             p = int(self.cache.step_model_positions[0])
@@ -397,6 +414,7 @@ class PooledLayer(_LayerBase):
         self.longest = 0
         if self.lengths is not None:
             self.lengths.zero_()
+            self.free = torch.arange(self.store.k.shape[2], device=self.device)
 
     def max_head_length(self) -> int:
         return self.longest
@@ -410,17 +428,16 @@ class PooledLayer(_LayerBase):
             if name in self.stats:
                 column = self.stats[name][0]
                 if name == "last":
-                    column[: self.rows] = 0.0
+                    column.zero_()
                 column.index_add_(0, rows, value.reshape(-1))
         if self.qlog is not None and "qlog" in stats:
             r = stats["qlog"].shape[1]
             slots = self._ring_slots(r)
-            slots = torch.tensor([slots], device=self.device) if isinstance(slots, int) else slots
-            log = self.qlog[0]  # [history, rows]
-            log[:, : self.rows][slots] = 0.0
+            slots = [slots] if isinstance(slots, int) else slots.tolist()
             vals = self._logged(stats).permute(1, 0, 2).reshape(r, -1)  # [r, view entries]
-            for i in range(r):
-                log[slots[i]].index_add_(0, rows, vals[i])
+            for i, slot in enumerate(slots):
+                self.qlog[0, slot].zero_()
+                self.qlog[0, slot].index_add_(0, rows, vals[i])
             self.qlog_nvis[:, slots] = stats["qlog_nvis"]
 
     def state(self) -> TokenState:
@@ -456,27 +473,25 @@ class PooledLayer(_LayerBase):
         if self.policy.merge:
             merged = merge_evicted(state.keys, state.values, self._merge_inputs(state), keep, state.valid)
         kept_rows = idx[keep]  # head-major, sequence order within each head
-        self.compact(kept_rows, keep.sum(dim=1))
+        self.free = torch.cat([self.free, idx[state.valid_mask() & ~keep]])
+        self.relist(kept_rows, keep.sum(dim=1))
         if merged is not None:
             k_new, v_new, absorbed = merged
-            self.store.write(0, k_new[keep].unsqueeze(0).to(self.dtype), v_new[keep].unsqueeze(0).to(self.dtype))
-            self.stats["mass"][0, : kept_rows.shape[0]] += absorbed[keep]
-            self._write_features(0, kept_rows.shape[0])
+            self.store.write_rows(kept_rows, k_new[keep].to(self.dtype), v_new[keep].to(self.dtype))
+            self.stats["mass"][0].index_add_(0, kept_rows, absorbed[keep])
+            if self.policy.feature_names:
+                keys, values = self.store.gather(kept_rows.unsqueeze(0))
+                for name, value in self.policy.features(keys, values).items():
+                    self.stats[name][0].index_copy_(0, kept_rows, value[0])
 
-    def compact(self, kept_rows: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Keep ``kept_rows`` (head-major), ``lengths[h]`` of them for head h: each head's list becomes the
-        range of rows it now occupies."""
-        k = kept_rows.shape[0]
-        self.store.compact(kept_rows, 1)
-        self.positions[:, :k] = self.positions[:, kept_rows]
-        if self.table is not None:
-            compact_rows(self.table, kept_rows, 1)
-        self.rows = k
+    def relist(self, kept_rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Each head's list becomes its kept rows: ``kept_rows`` head-major, ``lengths[h]`` for head h."""
+        self.rows = kept_rows.shape[0]
         self.lengths = lengths
         self.longest = int(lengths.max())
         offsets = torch.cumsum(lengths, 0) - lengths
-        ranges = offsets.unsqueeze(1) + torch.arange(self.longest, device=self.device)
-        self.head_rows[:, : self.longest] = ranges.clamp_max(self.store.k.shape[2] - 1)
+        at = (offsets.unsqueeze(1) + torch.arange(self.longest, device=self.device)).clamp_max(self.rows - 1)
+        self.head_rows[:, : self.longest] = kept_rows[at]
 
     def kept_positions(self) -> torch.Tensor:
         """[H, longest head]; a head holding fewer entries repeats its newest position (a set, for replay)."""
