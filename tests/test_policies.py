@@ -298,6 +298,23 @@ def test_adakv_stores_only_kept_entries(tiny, random_ids, monkeypatch):
     assert ada.kv_capacity_bytes == uniform.kv_capacity_bytes < full.kv_capacity_bytes
 
 
+@pytest.mark.parametrize("stage", ["prefill", "both"])
+def test_adakv_with_a_full_floor_is_snapkv(tiny, random_ids, monkeypatch, stage):
+    """floor = 1 guarantees every head its own budget, leaving nothing to move between heads: the pooled
+    layout (its row lists, free rows, summed query log) must then keep exactly what SnapKV keeps."""
+    spy = Spy(monkeypatch)
+    ids = random_ids(44, seed=19)
+    ada = run(tiny, ids, named("adakv", allocation={"floor": 1.0}), 0.3, stage, trace=True)
+    state = spy.cache.layers[1].state()
+    torch.testing.assert_close(state.derived("qlog_sum", lambda s: None), state.stats["qlog"].sum(dim=1))
+    snap = run(tiny, ids, named("snapkv"), 0.3, stage, trace=True)
+    assert ada.tokens == snap.tokens
+    torch.testing.assert_close(ada.logits, snap.logits, rtol=1e-5, atol=1e-5)
+    for a_layers, s_layers in zip(ada.trace, snap.trace):
+        for a, s in zip(a_layers, s_layers):
+            assert [sorted(h.tolist()) for h in a] == [sorted(h.tolist()) for h in s]
+
+
 def test_adaptive_allocation_in_decode_holds_the_layer_total(tiny, random_ids):
     policy = build_policy({"name": "ada-h2o", "score": "accumulated", "scope": {"kind": "sinks_window", "n_sink": 2},
                            "allocation": {"kind": "adaptive", "floor": 0.2}})

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvbench.policies.base import Policy, TokenState
+from kvbench.policies.base import Policy, Stats, TokenState
 from kvbench.policies.merge import merge_evicted
 from kvbench.policies.positions import Rotary, find_rotary
 from kvbench.policies.quantize import Quantizer
@@ -445,21 +445,25 @@ class PooledLayer(_LayerBase):
         self.state_index = idx
         mask = valid.to(torch.float32)
         positions = self.positions[0][idx].masked_fill(~valid, 0)
-        stats = {name: value * mask for name, value in self._derived_stats(positions).items()}
-        if self.table is not None:
-            rows = self.table[0][idx] * mask.unsqueeze(-1)  # [H, L, columns]
-            stats |= {name: rows[..., i] for i, name in enumerate(self.stats)}
-            if self.qlog is not None:
-                stats["qlog"] = rows[..., len(self.stats):].transpose(1, 2)
-                stats["qlog_nvis"] = self.qlog_nvis
+        eager = {name: value * mask for name, value in self._derived_stats(positions).items()}
+        lazy, derived = {}, {}
+        if self.stats:
+            rows = self.table[0, :, : len(self.stats)][idx] * mask.unsqueeze(-1)  # [H, L, columns]
+            eager |= {name: rows[..., i] for i, name in enumerate(self.stats)}
+        if self.qlog is not None:
+            # Scores read the log's sum over its rows: summed over the pool first, then gathered.
+            derived["qlog_sum"] = self.qlog[0].sum(dim=0)[idx] * mask
+            lazy["qlog"] = lambda: self.qlog[0][:, idx].permute(1, 0, 2) * mask.unsqueeze(1)
+            eager["qlog_nvis"] = self.qlog_nvis
         return TokenState(
             positions=positions,
-            stats=stats,
+            stats=Stats(eager, lazy),
             layer_idx=self.layer_idx,
             generator=self.cache.generator,
             phase=self.cache.phase,
             valid=None if self.rows == self.heads * self.longest else valid,
             load_kv=lambda: self.store.gather(idx),
+            derived=derived,
         )
 
     def evict_to_budget(self) -> None:

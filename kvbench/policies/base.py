@@ -22,6 +22,25 @@ ATTENTION_STATS = frozenset({"acc", "sumsq", "last", "qlog"})
 POSITION_MODES = ("absolute", "reindex")
 
 
+class Stats(dict):
+    """Per-token statistics by name; those in ``lazy`` are computed when first read (a per-head-allocated
+    layer's query log is a large gather that most scores never need whole). ``get`` does not compute them."""
+
+    def __init__(self, eager: dict[str, torch.Tensor] | None = None,
+                 lazy: dict[str, Callable[[], torch.Tensor]] | None = None):
+        super().__init__(eager or {})
+        self._lazy = dict(lazy or {})
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name not in self._lazy:
+            raise KeyError(name)
+        self[name] = value = self._lazy.pop(name)()
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name) or name in self._lazy
+
+
 class TokenState:
     """What a layer holds right now, per KV head.
 
@@ -36,6 +55,7 @@ class TokenState:
     have zero statistics and are never protected or kept.
 
     ``phase`` is "prefill" while the prompt is being encoded and "decode" while tokens are generated.
+    ``derived`` presets quantities of ``derived()`` that the layer can compute more cheaply itself.
     """
 
     def __init__(
@@ -49,6 +69,7 @@ class TokenState:
         phase: str = "prefill",
         valid: torch.Tensor | None = None,
         load_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        derived: dict[str, torch.Tensor] | None = None,
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
@@ -61,7 +82,7 @@ class TokenState:
         self.generator = generator
         self.phase = phase
         self.valid = valid
-        self._derived: dict[str, torch.Tensor] = {}
+        self._derived: dict[str, torch.Tensor] = dict(derived or {})
 
     def derived(self, name: str, compute: Callable[["TokenState"], torch.Tensor]) -> torch.Tensor:
         """A quantity computed from this state once, shared by the parts that read it (RoCo's mean

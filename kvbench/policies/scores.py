@@ -63,6 +63,11 @@ def attention_deviation(state: TokenState) -> torch.Tensor:
     return state.derived("std", lambda s: attention_std(s.stats, mean_attention(s)))
 
 
+def logged_sum(state: TokenState) -> torch.Tensor:
+    """The query log summed over its rows, [H, n]: all that hit counts and SnapKV read of it."""
+    return state.derived("qlog_sum", lambda s: s.stats["qlog"].sum(dim=1))
+
+
 class MeanAttention(Score):
     """RoCo's mean attention: accumulated attention divided by the number of queries that attended the token,
     so old tokens are not favoured just for having been seen by more queries."""
@@ -110,7 +115,7 @@ class Hits(Score):
         return ((probs >= bar.unsqueeze(-1)) & (probs > 0)).to(torch.float32)
 
     def __call__(self, state: TokenState) -> torch.Tensor:
-        return state.stats["qlog"].sum(dim=1)
+        return logged_sum(state)
 
 
 class ObservationWindow(Score):
@@ -138,7 +143,7 @@ class ObservationWindow(Score):
         self.pooling = pooling
 
     def __call__(self, state: TokenState) -> torch.Tensor:
-        summed = state.stats["qlog"].sum(dim=1)  # [H, n]
+        summed = logged_sum(state)
         return pool_neighbours(summed, self.kernel_size, self.pooling)
 
 
