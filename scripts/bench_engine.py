@@ -7,7 +7,8 @@ decode speed as a fraction of the memory-bandwidth floor (weight bytes per token
 
 After a warm-up: the overhead comparison takes the median of ``--repeats`` whole runs; every other
 decode figure is the median over the ``--new-tokens`` steps of a run, the least-disturbed of
-``--repeats`` runs. CPU here, CUDA when present.
+``--repeats`` runs, the runs of the compared policies interleaved (round after round) so that a slow
+spell of a shared machine lands on all of them alike. CPU here, CUDA when present.
 """
 from __future__ import annotations
 
@@ -96,12 +97,17 @@ def kvbench_times(lm: LoadedModel, ids: list[int], name: str, budget: float | in
     return g.prefill_s, statistics.median(g.decode_latencies_s)
 
 
-def best_step_ms(lm: LoadedModel, ids: list[int], name: str, budget: float | int, stage: str,
-                 args: argparse.Namespace) -> float:
-    """The least-disturbed of ``--repeats`` runs (each the median of its decode steps), in ms: on a shared
-    machine other tenants only ever add time, so the minimum is the steadiest estimate."""
-    return min(kvbench_times(lm, ids, name, budget, stage, args.new_tokens, args.stride)[1]
-               for _ in range(args.repeats)) * 1e3
+def best_step_ms(lm: LoadedModel, ids: list[int], runs: dict[str, tuple[float | int, str]],
+                 args: argparse.Namespace) -> dict[str, float]:
+    """Per policy (name -> (budget, stage)), the least-disturbed of ``--repeats`` runs, each the median of
+    its decode steps, in ms. Rounds interleave the policies; on a shared machine other tenants only ever
+    add time, so the minimum is the steadiest estimate."""
+    best = {name: float("inf") for name in runs}
+    for _ in range(args.repeats):
+        for name, (budget, stage) in runs.items():
+            step = kvbench_times(lm, ids, name, budget, stage, args.new_tokens, args.stride)[1] * 1e3
+            best[name] = min(best[name], step)
+    return best
 
 
 def peak_rss_during(fn: Callable[[], Any]) -> int:
@@ -196,24 +202,20 @@ def main() -> None:
     }
     print("overhead:", json.dumps(report["overhead"], indent=1))
 
-    growth: dict[str, dict[int, float]] = {}
-    for name in ["full"] + available(["window", "h2o", "roco"]):
-        growth[name] = {}
-        for n in args.contexts:
-            ctx = prompt_ids(lm, n)
-            budget, stage = (1.0, "prefill") if name == "full" else (args.budget, "both")
-            growth[name][n] = best_step_ms(lm, ctx, name, budget, stage, args)
-            print(f"decode {name:>12} @ {n:>5}: {growth[name][n]:.2f} ms/token")
+    growth_names = ["full"] + available(["window", "h2o", "roco"])
+    growth: dict[str, dict[int, float]] = {name: {} for name in growth_names}
+    for n in args.contexts:
+        runs = {name: (1.0, "prefill") if name == "full" else (args.budget, "both") for name in growth_names}
+        for name, ms in best_step_ms(lm, prompt_ids(lm, n), runs, args).items():
+            growth[name][n] = ms
+            print(f"decode {name:>12} @ {n:>5}: {ms:.2f} ms/token")
     report["growth_ms"] = growth
 
     ctx = prompt_ids(lm, args.policy_context)
-    per_policy = {}
-    for name in ["window", "full"] + available(STATISTICS_POLICIES + ["streamingllm", "random", "knorm",
-                                                                     "pyramidkv", "adakv"]):
-        if name in per_policy:
-            continue
-        budget, stage = (1.0, "prefill") if name == "full" else (args.budget * 2, "both")
-        per_policy[name] = best_step_ms(lm, ctx, name, budget, stage, args)
+    names = ["window", "full"] + available(STATISTICS_POLICIES + ["streamingllm", "random", "knorm", "pyramidkv",
+                                                                 "adakv"])
+    runs = {name: (1.0, "prefill") if name == "full" else (args.budget * 2, "both") for name in dict.fromkeys(names)}
+    per_policy = best_step_ms(lm, ctx, runs, args)
     report["policy_ms"] = per_policy
     report["policy_vs_window"] = {k: v / per_policy["window"] for k, v in per_policy.items()}
     for k, v in per_policy.items():

@@ -551,7 +551,7 @@ class BudgetedCache(Cache):
         ("prefill" for prompt chunks, "decode" for generated tokens). Returns the positions to feed the model:
         the same absolute positions, or under ``positions: reindex`` the next contiguous positions."""
         self.step_positions = positions
-        self.seen = int(positions[-1]) + 1
+        self.seen = positions[-1] + 1  # tokens fed by the end of this step (a tensor: no device sync)
         self.evicting = evicting
         self.phase = phase
         if self.rotary is None:
