@@ -175,23 +175,16 @@ class _LayerBase(CacheLayerMixin):
             self.qlog_nvis = torch.zeros(key_states.shape[1], history, dtype=torch.float32, device=self.device)
         self.is_initialized = True
 
-    def _ring_slots(self, r: int) -> int | torch.Tensor:
-        """The ring rows the step's last ``r`` queries go to (an int for the usual single query)."""
+    def _ring_slots(self, r: int) -> list[int]:
+        """The ring rows the step's last ``r`` queries go to."""
         history = self.qlog.shape[1]
         slots = [(self.qlog_next + i) % history for i in range(r)]
         self.qlog_next += r
-        return slots[0] if r == 1 else torch.tensor(slots, device=self.device)
+        return slots
 
     def _logged(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
         """The step's query-log rows as the score keeps them (e.g. ScissorHands' hit indicators)."""
         return self.policy.score.log_rows(stats["qlog"], stats["qlog_nvis"])
-
-    def _write_features(self, start: int, end: int) -> None:
-        """Write-time features (e.g. value norms) of rows ``start:end``, from the entries as stored."""
-        if self.policy.feature_names:
-            keys, values = self.store.read(end, start)
-            for name, value in self.policy.features(keys, values).items():
-                self.stats[name][:, start:end] = value
 
     def _derived_stats(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """``count``: every query fed after an entry saw it (the step's own queries included)."""
@@ -255,6 +248,13 @@ class BudgetedLayer(_LayerBase):
     def max_head_length(self) -> int:
         return self.length
 
+    def _write_features(self, start: int, end: int) -> None:
+        """Write-time features (e.g. value norms) of rows ``start:end``, from the entries as stored."""
+        if self.policy.feature_names:
+            keys, values = self.store.read(end, start)
+            for name, value in self.policy.features(keys, values).items():
+                self.stats[name][:, start:end] = value
+
     def observe(self, n_new: int, stats: dict[str, torch.Tensor]) -> None:
         """Fold this step's attention statistics in and count the new tokens as held."""
         total = self.length + n_new
@@ -265,9 +265,12 @@ class BudgetedLayer(_LayerBase):
                 self.stats[name][:, :total] += value
         if self.qlog is not None and "qlog" in stats:
             slots = self._ring_slots(stats["qlog"].shape[1])
-            rows = self._logged(stats)
-            self.qlog[:, slots, :total] = rows[:, 0] if isinstance(slots, int) else rows
-            self.qlog_nvis[:, slots] = stats["qlog_nvis"][:, 0] if isinstance(slots, int) else stats["qlog_nvis"]
+            rows, nvis = self._logged(stats), stats["qlog_nvis"]
+            if len(slots) == 1:  # a decode step: plain indexing, no index tensor
+                self.qlog[:, slots[0], :total], self.qlog_nvis[:, slots[0]] = rows[:, 0], nvis[:, 0]
+            else:
+                at = torch.tensor(slots, device=self.device)
+                self.qlog[:, at, :total], self.qlog_nvis[:, at] = rows, nvis
         self.length = total
 
     def state(self) -> TokenState:
@@ -382,10 +385,7 @@ class PooledLayer(_LayerBase):
         self.positions[0].index_copy_(0, taken, self.cache.step_positions.repeat(h))
         if self.table is not None:
             self.table[0].index_fill_(0, taken, 0.0)
-            if self.policy.feature_names:
-                keys, values = self.store.gather(taken.unsqueeze(0))
-                for name, value in self.policy.features(keys, values).items():
-                    self.stats[name][0].index_copy_(0, taken, value[0])
+            self._write_features(taken)
         # The step's view: each head's past (padded to the longest head), then its new rows.
         self.view_index = torch.cat([past_idx, new_rows], dim=1)
         self.visible_past = past_valid if uneven else None
@@ -419,6 +419,13 @@ class PooledLayer(_LayerBase):
     def max_head_length(self) -> int:
         return self.longest
 
+    def _write_features(self, rows: torch.Tensor) -> None:
+        """Write-time features (e.g. value norms) of pool ``rows``, from the entries as stored."""
+        if self.policy.feature_names:
+            keys, values = self.store.gather(rows.unsqueeze(0))
+            for name, value in self.policy.features(keys, values).items():
+                self.stats[name][0].index_copy_(0, rows, value[0])
+
     def observe(self, n_new: int, stats: dict[str, torch.Tensor]) -> None:
         """Stats arrive in the step's view [H, past + new]; add them to the pool rows the view was read from.
         Padding slots of the view point at some real row but carry exactly zero (their attention was masked
@@ -433,7 +440,6 @@ class PooledLayer(_LayerBase):
         if self.qlog is not None and "qlog" in stats:
             r = stats["qlog"].shape[1]
             slots = self._ring_slots(r)
-            slots = [slots] if isinstance(slots, int) else slots.tolist()
             vals = self._logged(stats).permute(1, 0, 2).reshape(r, -1)  # [r, view entries]
             for i, slot in enumerate(slots):
                 self.qlog[0, slot].zero_()
@@ -447,14 +453,16 @@ class PooledLayer(_LayerBase):
         positions = self.positions[0][idx].masked_fill(~valid, 0)
         eager = {name: value * mask for name, value in self._derived_stats(positions).items()}
         lazy, derived = {}, {}
-        if self.stats:
-            rows = self.table[0, :, : len(self.stats)][idx] * mask.unsqueeze(-1)  # [H, L, columns]
-            eager |= {name: rows[..., i] for i, name in enumerate(self.stats)}
-        if self.qlog is not None:
-            # Scores read the log's sum over its rows: summed over the pool first, then gathered.
-            derived["qlog_sum"] = self.qlog[0].sum(dim=0)[idx] * mask
-            lazy["qlog"] = lambda: self.qlog[0][:, idx].permute(1, 0, 2) * mask.unsqueeze(1)
-            eager["qlog_nvis"] = self.qlog_nvis
+        if self.table is not None:
+            rows = self.table[0][idx]  # [H, L, columns]: one gather of each held entry's table row
+            columns = len(self.stats)
+            eager |= {name: rows[..., i] * mask for i, name in enumerate(self.stats)}
+            if self.qlog is not None:
+                log = rows[..., columns:]  # [H, L, history]
+                # Scores read the log's sum over its rows; the whole log is masked only if one reads it.
+                derived["qlog_sum"] = log.sum(dim=-1) * mask
+                lazy["qlog"] = lambda: log.transpose(1, 2) * mask.unsqueeze(1)
+                eager["qlog_nvis"] = self.qlog_nvis
         return TokenState(
             positions=positions,
             stats=Stats(eager, lazy),
@@ -483,10 +491,7 @@ class PooledLayer(_LayerBase):
             k_new, v_new, absorbed = merged
             self.store.write_rows(kept_rows, k_new[keep].to(self.dtype), v_new[keep].to(self.dtype))
             self.stats["mass"][0].index_add_(0, kept_rows, absorbed[keep])
-            if self.policy.feature_names:
-                keys, values = self.store.gather(kept_rows.unsqueeze(0))
-                for name, value in self.policy.features(keys, values).items():
-                    self.stats[name][0].index_copy_(0, kept_rows, value[0])
+            self._write_features(kept_rows)
 
     def relist(self, kept_rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Each head's list becomes its kept rows: ``kept_rows`` head-major, ``lengths[h]`` for head h."""

@@ -106,14 +106,18 @@ class Adaptive(Allocation):
         scores = scores.masked_fill(~valid, float("-inf"))
         protected = torch.isposinf(scores).sum(dim=1)
         floor = torch.minimum(lengths, protected.clamp_min(math.floor(self.floor * budget + 1e-9)))
-        guaranteed = torch.zeros_like(valid)
+        excluded = ~valid
         most = int(floor.max())
-        if most > 0:  # each head's best ``floor`` entries (protected ones first: they score +inf)
+        # Each head's best ``floor`` entries are guaranteed (protected ones first: they score +inf). A head
+        # holding at least ``floor`` more than the drops keeps them anyway (the usual decode step: a few
+        # drops), so they need finding only when some head is that close to its floor.
+        if most > 0 and int((lengths - floor).min()) < held - total:
             best = torch.topk(scores, most, dim=1, sorted=True).indices
-            guaranteed.scatter_(1, best, torch.arange(most, device=scores.device).unsqueeze(0) < floor.unsqueeze(1))
+            guaranteed = torch.arange(most, device=scores.device).unsqueeze(0) < floor.unsqueeze(1)
+            excluded = excluded | torch.zeros_like(valid).scatter_(1, best, guaranteed)
         # The layer total: drop the lowest of the other entries, whichever head holds them (there are
         # enough of them: a head's floor never exceeds its budget).
-        candidates = scores.masked_fill(guaranteed | ~valid, float("inf")).flatten()
+        candidates = scores.masked_fill(excluded, float("inf")).flatten()
         dropped = torch.topk(candidates, held - total, largest=False, sorted=False).indices
         keep = valid.clone()
         keep.view(-1)[dropped] = False
