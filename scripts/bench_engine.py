@@ -171,6 +171,7 @@ def main() -> None:
     ap.add_argument("--overhead-context", type=int, default=1024)
     ap.add_argument("--policy-context", type=int, default=4096)
     ap.add_argument("--memory-contexts", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--memory-repeats", type=int, default=2)
     ap.add_argument("--stride", type=int, default=1024, help="prefill chunk for the fixed-budget runs")
     ap.add_argument("--out", default="results/bench_engine")
     ap.add_argument("--render", metavar="JSON", help="only print the tables of a saved bench_engine.json")
@@ -231,8 +232,8 @@ def main() -> None:
     memory: dict[str, dict[int, int]] = {}
     for name in ["full"] + available(["h2o", "roco", "snapkv"]):
         # RSS also holds what the allocator kept from freed blocks, which varies from process to process;
-        # the least of ``--repeats`` fresh processes is the closest to what the prefill needed.
-        memory[name] = {n: min(prefill_peak_isolated(args.model, n, name, None) for _ in range(args.repeats))
+        # the least of ``--memory-repeats`` fresh processes is the closest to what the prefill needed.
+        memory[name] = {n: min(prefill_peak_isolated(args.model, n, name, None) for _ in range(args.memory_repeats))
                         for n in args.memory_contexts}
         print(f"prefill peak {name:>8}:", {n: f"{b / 1e6:.0f} MB" for n, b in memory[name].items()})
     report["prefill_peak_bytes"] = memory
