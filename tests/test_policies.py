@@ -181,20 +181,24 @@ def test_policies_without_attention_statistics_never_compute_them(tiny, random_i
 # ------------------------------------------------------------------ RoCo's statistics vs eager attention
 
 
+def eager_attentions(model, seq: list[int]) -> tuple[torch.Tensor, ...]:
+    """Every layer's full attention matrix over ``seq`` (eager attention, for references only)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([seq]), output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def test_mean_and_std_match_eager_attention(tiny, random_ids, monkeypatch):
     """acc/count and the std from sumsq equal NumPy over the full attention matrices (eager, this test only)."""
     spy = Spy(monkeypatch)
     ids = random_ids(21, seed=13)
     g = generate(tiny.model, None, ids, named("roco"), 100, "both", DecodeSettings(max_new_tokens=5), stride=5)
     seq = ids + g.tokens[:-1]  # every token fed
-    model = tiny.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            attentions = model(torch.tensor([seq]), output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation(previous)
+    attentions = eager_attentions(tiny.model, seq)
     n = len(seq)
     for layer, att in zip(spy.cache.layers, attentions):
         probs = att[0].double().numpy()  # [q_heads, n, n]
@@ -221,14 +225,7 @@ def test_hit_counts_match_eager_attention(tiny, random_ids, monkeypatch):
     g = generate(tiny.model, None, ids, named("scissorhands", score={"history": history}), 100, "both",
                  DecodeSettings(max_new_tokens=5), stride=4)
     seq = ids + g.tokens[:-1]
-    model = tiny.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            attentions = model(torch.tensor([seq]), output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation(previous)
+    attentions = eager_attentions(tiny.model, seq)
     n = len(seq)
     for layer, att in zip(spy.cache.layers, attentions):
         rows = att[0].double().numpy().reshape(2, 2, n, n).mean(axis=1)[:, n - history :]  # [kv, history, n]
