@@ -263,13 +263,13 @@ def test_write_time_features_follow_their_entries(tiny, random_ids, monkeypatch,
 def test_robust_scope_sees_the_phase_the_cache_is_in(tiny, random_ids, monkeypatch):
     """stage=both: the prompt is compressed with rho_prefill, decoding holds the budget with rho_decode."""
     seen = []
-    original = Robust.protected
+    original = Robust.shield
 
-    def spy(scope, state, budget):
+    def spy(scope, scores, state, budget):
         seen.append((state.phase, scope.std_count(budget, state.phase)))
-        return original(scope, state, budget)
+        return original(scope, scores, state, budget)
 
-    monkeypatch.setattr(Robust, "protected", spy)
+    monkeypatch.setattr(Robust, "shield", spy)
     run(tiny, random_ids(PROMPT, seed=20), named("roco"), 40, "both")
     assert seen[0] == ("prefill", 4) and seen[-1] == ("decode", 12)  # floor(0.1 * 40), floor(0.3 * 40)
     assert [p for p, _ in seen] == sorted((p for p, _ in seen), key=["prefill", "decode"].index)
@@ -440,8 +440,8 @@ def test_reindex_feeds_contiguous_positions_and_rerotates_kept_keys(tiny, random
     fed = []
     begin = cache_module.BudgetedCache.begin_step
 
-    def spy_begin(cache, positions, evicting, phase="prefill"):
-        out = begin(cache, positions, evicting, phase)
+    def spy_begin(cache, positions, evicting, *args, **kwargs):
+        out = begin(cache, positions, evicting, *args, **kwargs)
         fed.append((positions.tolist(), out.tolist()))
         return out
 

@@ -328,3 +328,26 @@ def test_attention_statistics_match_dense_reference_in_any_block_size(block, mon
         assert set(got) == set(needs) | ({"qlog_nvis"} if "qlog" in needs else set())
         for name in got:
             np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("scope", [Everything(), SinksAndWindow(n_sink=2, window=3), SinksAndWindow(n_sink=0, window=0.5),
+                                   SinksAndWindow(n_sink=4, window=0), Robust(n_sink=2, n_recent=3, rho_decode=0.4)])
+@pytest.mark.parametrize("budget", [1, 5, 9, 14])
+def test_in_order_shield_is_the_general_protected_set(scope, budget):
+    """Heads of one length take slices (``shield``); it must protect exactly what the general masks do, as
+    computed for the same heads marked as per-head padded (every entry valid), and never touch the scores."""
+    g = torch.Generator().manual_seed(budget)
+    n, heads = 12, 3
+    acc = torch.rand(heads, n, generator=g)
+    stats = {"acc": acc, "sumsq": acc.square() * torch.rand(heads, n, generator=g), "count": torch.arange(n, 0, -1.0).expand(heads, n)}
+    positions = torch.arange(n).expand(heads, n)
+    uniform = TokenState(positions=positions, stats=stats, phase="decode")
+    padded = TokenState(positions=positions, stats=stats, phase="decode", valid=torch.ones(heads, n, dtype=torch.bool))
+    scores = torch.rand(heads, n, generator=g)
+    before = scores.clone()
+    shielded = scope.shield(scores, uniform, budget)
+    torch.testing.assert_close(scores, before)
+    general = scope.protected(padded, budget)
+    assert shielded.isposinf().tolist() == general.tolist()
+    torch.testing.assert_close(shielded[~general], scores[~general])
+    assert scope.protected(uniform, budget).tolist() == general.tolist()

@@ -18,6 +18,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvbench.policies.base import ATTENTION_STATS
+
 ATTN_NAME = "kvbench"
 # Upper bound on attention-probability elements materialised at once while collecting statistics.
 STATS_BLOCK_ELEMENTS = 1 << 22
@@ -100,11 +102,35 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     group = hq // hkv
     qh = query[0].reshape(hkv, group, dim).to(torch.float32) * scaling
     logits = torch.matmul(qh, key[0].to(torch.float32).transpose(-1, -2))  # [hkv, group, n]
+    visible = None
     if visible_past is not None:
         visible = torch.cat([visible_past, visible_past.new_ones(hkv, 1)], dim=1)
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
     probs = logits.softmax(dim=-1)
     output = torch.matmul(probs, value[0].to(torch.float32)).to(query.dtype).reshape(1, 1, hq, -1)
+    return output, _decode_statistics(probs, visible, needs, history)
+
+
+def pooled_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                            owner: torch.Tensor, needs: frozenset[str],
+                            history: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``decode_attention`` over a pool of (head, token) rows, key/value [1, 1, rows, D], where KV head h sees
+    the rows ``owner[h]`` ([kv_heads, rows] bool). Two plain products over the pool, each row read once, instead
+    of gathering every head's rows into a padded view first. Statistics are [kv_heads, rows], exactly zero on
+    the rows a head does not own."""
+    _, hq, _, dim = query.shape
+    hkv, rows = owner.shape
+    group = hq // hkv
+    qh = query[0, :, 0].to(torch.float32) * scaling  # [hq, D]
+    logits = torch.matmul(qh, key[0, 0].to(torch.float32).transpose(0, 1)).view(hkv, group, rows)
+    probs = logits.masked_fill(~owner.unsqueeze(1), float("-inf")).softmax(dim=-1)
+    output = torch.matmul(probs.view(hq, rows), value[0, 0].to(torch.float32)).to(query.dtype).view(1, 1, hq, -1)
+    return output, _decode_statistics(probs, owner, needs, history)
+
+
+def _decode_statistics(probs: torch.Tensor, visible: torch.Tensor | None, needs: frozenset[str],
+                       history: int) -> dict[str, torch.Tensor]:
+    """The statistics of one query's probabilities [hkv, group, n] (``visible`` [hkv, n] or None = all)."""
     row = probs.mean(dim=1)  # GQA: the group's mean, [hkv, n]
     stats: dict[str, torch.Tensor] = {}
     if "acc" in needs:
@@ -115,9 +141,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         stats["last"] = row
     if "qlog" in needs and history > 0:
         stats["qlog"] = row.unsqueeze(1)
-        stats["qlog_nvis"] = (torch.full((hkv, 1), float(n), device=key.device) if visible_past is None
+        hkv, n = row.shape
+        stats["qlog_nvis"] = (torch.full((hkv, 1), float(n), device=row.device) if visible is None
                               else visible.sum(dim=-1, keepdim=True).to(torch.float32))
-    return output, stats
+    return stats
 
 
 def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -132,8 +159,14 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     past = n - q
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     policy = cache.policy
-    if q == 1 and policy.needs_attention:
-        output, stats = decode_attention(query, key, value, scaling, layer.visible_past, policy.needs, policy.history)
+    needs = policy.needs if cache.collecting else frozenset()
+    if layer.pool_visible is not None:  # a per-head-allocated layer's decode step: keys are its whole pool
+        output, stats = pooled_decode_attention(query, key, value, scaling, layer.pool_visible, needs, policy.history)
+        cache.after_attention(module.layer_idx, q, stats)
+        return output, None
+    collecting = bool(needs & ATTENTION_STATS)
+    if q == 1 and collecting:
+        output, stats = decode_attention(query, key, value, scaling, layer.visible_past, needs, policy.history)
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
     mask = None
@@ -144,8 +177,8 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0)
     output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
                                        is_causal=mask is None and q > 1)
-    stats = (attention_statistics(query, key, scaling, past, layer.visible_past, policy.needs, policy.history)
-             if policy.needs_attention else {})
+    stats = (attention_statistics(query, key, scaling, past, layer.visible_past, needs, policy.history)
+             if collecting else {})
     cache.after_attention(module.layer_idx, q, stats)
     return output, None
 

@@ -153,6 +153,9 @@ class _LayerBase(CacheLayerMixin):
         # Which past entries the next step may see ([kv_heads, past] bool; None = all): masked replay, and
         # the padding of a PooledLayer's per-step view.
         self.visible_past: torch.Tensor | None = None
+        # Which pool rows each KV head sees ([kv_heads, rows] bool) when the step's keys are a PooledLayer's
+        # whole pool rather than a per-head view; None otherwise.
+        self.pool_visible: torch.Tensor | None = None
 
     def get_max_length(self) -> int:
         return self.plan.capacity
@@ -335,20 +338,28 @@ class BudgetedLayer(_LayerBase):
 class PooledLayer(_LayerBase):
     """Per-head allocation: one pool of (head, token) rows; head h holds ``lengths[h]`` of them.
 
-    Rows never move. ``head_rows`` [H, pool rows] lists each head's rows in sequence order, front-aligned
-    (entry j of head h is row ``head_rows[h, j]`` for j < ``lengths[h]``; later slots hold stale but in-range
-    rows); new entries take rows from the ``free`` list and are appended to their head's list, evicted
-    entries give their rows back. A step therefore rewrites only the rows of new entries and the small
-    lists, never the held K/V, and sorts nothing. ``length`` is the mean count per head.
+    ``head_rows`` [H, pool rows] lists each head's rows in sequence order, front-aligned (entry j of head h is
+    row ``head_rows[h, j]`` for j < ``lengths[h]``; later slots are stale); new entries take rows from the
+    ``free`` list and are appended to their head's list, evicted entries give their rows back. A decode step
+    therefore rewrites only the rows of new entries and the small lists, never the held K/V, and sorts nothing;
+    its attention reads the pool where it lies (``pool_visible``: each head its own rows). Freed rows are
+    taken again first, so the rows in use stay within a ``span`` little larger than the entries held; when
+    an eviction leaves many holes (a prompt chunk's), the held entries are moved together once
+    (``make_dense``). ``length`` is the mean count per head.
     """
 
     def __init__(self, layer_idx: int, plan: LayerPlan, policy: Policy, cache: "BudgetedCache"):
         super().__init__(layer_idx, plan, policy, cache)
         self.rows = 0
         self.heads = 0
+        # Rows at or past ``span`` are free, in order at the tail of the free list; the ``holes`` free rows
+        # below it come first in the list, so new entries fill holes before the span grows.
+        self.span = 0
+        self.holes = 0
         self.lengths: torch.Tensor | None = None
         self.longest = 0
         self.view_index: torch.Tensor | None = None
+        self.head_of: torch.Tensor | None = None
 
     @property
     def length(self) -> float:
@@ -362,11 +373,16 @@ class PooledLayer(_LayerBase):
         self.head_rows = torch.zeros(self.heads, pool, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(self.heads, dtype=torch.long, device=self.device)
         self.free = torch.arange(pool, device=self.device)
+        # The head holding each row (``heads`` = free): a decode step's visibility over the pool.
+        self.head_ids = torch.arange(self.heads, device=self.device)
+        self.head_of = torch.full((pool,), self.heads, dtype=torch.long, device=self.device)
 
     def index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per head, its rows in sequence order padded to the longest head: (rows [H, L], valid [H, L])."""
+        """Per head, its rows in sequence order padded to the longest head: (rows [H, L], valid [H, L]). Padding
+        reads row 0 (the lists' later slots hold stale rows, which may lie past the span)."""
         valid = torch.arange(self.longest, device=self.device).unsqueeze(0) < self.lengths.unsqueeze(1)
-        return self.head_rows[:, : self.longest], valid
+        rows = self.head_rows[:, : self.longest]
+        return (rows if self.rows == self.heads * self.longest else rows.masked_fill(~valid, 0)), valid
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -379,21 +395,30 @@ class PooledLayer(_LayerBase):
         past_idx, past_valid = self.index()
         uneven = self.rows != h * self.longest
         taken, self.free = self.free[: h * q], self.free[h * q :]
+        self.span += max(0, h * q - self.holes)
+        self.holes = max(0, self.holes - h * q)
         new_rows = taken.view(h, q)
         stored = self._stored_keys(key_states)[0]
         self.store.write_rows(taken, stored.reshape(h * q, -1), value_states[0].reshape(h * q, -1))
         self.positions[0].index_copy_(0, taken, self.cache.step_positions.repeat(h))
+        self.head_of.index_copy_(0, taken, self.head_ids.repeat_interleave(q))
         if self.table is not None:
             self.table[0].index_fill_(0, taken, 0.0)
             self._write_features(taken)
-        # The step's view: each head's past (padded to the longest head), then its new rows.
-        self.view_index = torch.cat([past_idx, new_rows], dim=1)
-        self.visible_past = past_valid if uneven else None
         self.head_rows.scatter_(1, self.lengths.unsqueeze(1) + torch.arange(q, device=self.device), new_rows)
         lengths_before = self.lengths
         self.lengths = self.lengths + q
         self.longest += q
         self.rows += h * q
+        if q == 1 and self.cache.rotary is None and self.visible_past is None:
+            # A decode step reads the pool as it lies, each head masked to its own rows: no per-head view.
+            self.view_index = None
+            self.pool_visible = self.head_of[: self.span].unsqueeze(0) == self.head_ids.unsqueeze(1)
+            keys, values = self.store.read(self.span)
+            return keys.unsqueeze(0), values.unsqueeze(0)
+        # The step's view: each head's past (padded to the longest head), then its new rows.
+        self.view_index = torch.cat([past_idx, new_rows], dim=1)
+        self.visible_past = past_valid if uneven else None
         keys, values = self.store.gather(self.view_index)
         if self.cache.rotary is not None:
             p = int(self.cache.step_model_positions[0])
@@ -412,9 +437,11 @@ class PooledLayer(_LayerBase):
     def reset(self) -> None:
         self.rows = 0
         self.longest = 0
+        self.span = self.holes = 0
         if self.lengths is not None:
             self.lengths.zero_()
             self.free = torch.arange(self.store.k.shape[2], device=self.device)
+            self.head_of.fill_(self.heads)
 
     def max_head_length(self) -> int:
         return self.longest
@@ -427,24 +454,37 @@ class PooledLayer(_LayerBase):
                 self.stats[name][0].index_copy_(0, rows, value[0])
 
     def observe(self, n_new: int, stats: dict[str, torch.Tensor]) -> None:
-        """Stats arrive in the step's view [H, past + new]; add them to the pool rows the view was read from.
-        Padding slots of the view point at some real row but carry exactly zero (their attention was masked
-        out), so adding everything is exact; ``last`` is replaced by zeroing it first."""
-        rows = self.view_index.reshape(-1)
+        """Stats arrive per head over the step's keys: the pool itself (a decode step: each row is non-zero only
+        in its own head, so the sum over heads is the row's value) or the step's view [H, past + new], added to
+        the pool rows the view was read from. Padding slots of the view point at some real row but carry exactly
+        zero (their attention was masked out), so adding everything is exact; ``last`` is replaced by zeroing it
+        first."""
+        pooled = self.view_index is None
+        rows = None if pooled else self.view_index.reshape(-1)
         for name, value in stats.items():
             if name in self.stats:
                 column = self.stats[name][0]
+                if pooled:
+                    if name == "last":
+                        column[: self.span] = value.sum(dim=0)
+                    else:
+                        column[: self.span] += value.sum(dim=0)
+                    continue
                 if name == "last":
                     column.zero_()
                 column.index_add_(0, rows, value.reshape(-1))
         if self.qlog is not None and "qlog" in stats:
             r = stats["qlog"].shape[1]
             slots = self._ring_slots(r)
-            vals = self._logged(stats).permute(1, 0, 2).reshape(r, -1)  # [r, view entries]
+            logged = self._logged(stats)  # [H, r, entries of the step's keys]
+            self.qlog_nvis[:, slots] = stats["qlog_nvis"]
+            if pooled:
+                self.qlog[0, slots[0], : self.span] = logged[:, 0].sum(dim=0)
+                return
+            vals = logged.permute(1, 0, 2).reshape(r, -1)  # [r, view entries]
             for i, slot in enumerate(slots):
                 self.qlog[0, slot].zero_()
                 self.qlog[0, slot].index_add_(0, rows, vals[i])
-            self.qlog_nvis[:, slots] = stats["qlog_nvis"]
 
     def state(self) -> TokenState:
         idx, valid = self.index()
@@ -454,14 +494,15 @@ class PooledLayer(_LayerBase):
         eager = {name: value * mask for name, value in self._derived_stats(positions).items()}
         lazy, derived = {}, {}
         if self.table is not None:
-            rows = self.table[0][idx]  # [H, L, columns]: one gather of each held entry's table row
             columns = len(self.stats)
-            eager |= {name: rows[..., i] * mask for i, name in enumerate(self.stats)}
+            if columns:
+                rows = self.table[0, :, :columns][idx]  # [H, L, columns]: one gather of each held entry's row
+                eager |= {name: rows[..., i] * mask for i, name in enumerate(self.stats)}
             if self.qlog is not None:
-                log = rows[..., columns:]  # [H, L, history]
-                # Scores read the log's sum over its rows; the whole log is masked only if one reads it.
-                derived["qlog_sum"] = log.sum(dim=-1) * mask
-                lazy["qlog"] = lambda: log.transpose(1, 2) * mask.unsqueeze(1)
+                # Scores read the log's sum over its rows: summed where the rows lie, then gathered; the whole
+                # log is gathered and masked only if one reads it.
+                derived["qlog_sum"] = self.table[0, : self.span, columns:].sum(dim=-1)[idx] * mask
+                lazy["qlog"] = lambda: self.table[0, :, columns:][idx].transpose(1, 2) * mask.unsqueeze(1)
                 eager["qlog_nvis"] = self.qlog_nvis
         return TokenState(
             positions=positions,
@@ -485,13 +526,33 @@ class PooledLayer(_LayerBase):
         if self.policy.merge:
             merged = merge_evicted(state.keys, state.values, self._merge_inputs(state), keep, state.valid)
         kept_rows = idx[keep]  # head-major, sequence order within each head
-        self.free = torch.cat([self.free, idx[state.valid_mask() & ~keep]])
+        freed = idx[state.valid_mask() & ~keep]
+        self.free = torch.cat([freed, self.free])
+        self.holes += freed.shape[0]
+        self.head_of.index_fill_(0, freed, self.heads)
         self.relist(kept_rows, keep.sum(dim=1))
+        if 4 * self.holes > self.rows:  # e.g. after a prompt chunk: a decode step reads the whole span
+            kept_rows = self.make_dense()
         if merged is not None:
             k_new, v_new, absorbed = merged
             self.store.write_rows(kept_rows, k_new[keep].to(self.dtype), v_new[keep].to(self.dtype))
             self.stats["mass"][0].index_add_(0, kept_rows, absorbed[keep])
             self._write_features(kept_rows)
+
+    def make_dense(self) -> torch.Tensor:
+        """Move every held entry to rows ``0:rows``, head-major in sequence order, so that the span holds no
+        holes; returns the rows the entries now occupy."""
+        idx, valid = self.index()
+        held = idx[valid]
+        rows = [t[0, 0] for t in self.store.tensors()] + [self.positions[0], self.head_of]
+        for t in rows + ([self.table[0]] if self.table is not None else []):
+            t[: self.rows] = t.index_select(0, held)
+        self.head_of[self.rows :] = self.heads
+        dense = torch.arange(self.rows, device=self.device)
+        self.free = torch.arange(self.rows, self.head_of.shape[0], device=self.device)
+        self.span, self.holes = self.rows, 0
+        self.relist(dense, self.lengths)
+        return dense
 
     def relist(self, kept_rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Each head's list becomes its kept rows: ``kept_rows`` head-major, ``lengths[h]`` for head h."""
@@ -542,6 +603,7 @@ class BudgetedCache(Cache):
         self.step_model_positions = self.step_positions
         self.seen = 0
         self.evicting = False
+        self.collecting = True
         self.phase = "prefill"
         self.rotary: Rotary | None = None
         if policy.positions == "reindex":
@@ -551,13 +613,17 @@ class BudgetedCache(Cache):
         layer_cls = PooledLayer if policy.allocation.per_head else BudgetedLayer
         super().__init__(layers=[layer_cls(i, plan, policy, self) for i, plan in enumerate(plans)])
 
-    def begin_step(self, positions: torch.Tensor, evicting: bool, phase: str = "prefill") -> torch.Tensor:
-        """Set the absolute positions of the tokens about to be fed, whether this step may evict and the phase
-        ("prefill" for prompt chunks, "decode" for generated tokens). Returns the positions to feed the model:
-        the same absolute positions, or under ``positions: reindex`` the next contiguous positions."""
+    def begin_step(self, positions: torch.Tensor, evicting: bool, phase: str = "prefill",
+                   collecting: bool = True) -> torch.Tensor:
+        """Set the absolute positions of the tokens about to be fed, whether this step may evict, the phase
+        ("prefill" for prompt chunks, "decode" for generated tokens) and whether attention statistics are still
+        worth collecting (False once no step from this one on evicts: nobody will read them). Returns the
+        positions to feed the model: the same absolute positions, or under ``positions: reindex`` the next
+        contiguous positions."""
         self.step_positions = positions
         self.seen = positions[-1] + 1  # tokens fed by the end of this step (a tensor: no device sync)
         self.evicting = evicting
+        self.collecting = collecting or evicting
         self.phase = phase
         if self.rotary is None:
             self.step_model_positions = positions
@@ -570,7 +636,7 @@ class BudgetedCache(Cache):
         """Called by the attention function once the layer's output is computed (H2O's order)."""
         layer = self.layers[layer_idx]
         layer.observe(n_new, stats)
-        layer.visible_past = None
+        layer.visible_past = layer.pool_visible = None
         if self.evicting:
             layer.evict_to_budget()
 

@@ -221,7 +221,8 @@ def generate(
                 visible = torch.zeros(held.shape[0], start, dtype=torch.bool, device=device)
                 layer.visible_past = visible.scatter_(1, held.to(device), True)
         n_forwards += 1
-        fed_positions = cache.begin_step(positions, evicting, phase)  # absolute, or reindexed in the cache
+        # Statistics are collected while this step or a later one may evict (decode_evicts: the last to).
+        fed_positions = cache.begin_step(positions, evicting, phase, collecting=decode_evicts)
         input_ids_t = torch.tensor([ids], device=device)
         if fused_forward is not None:
             logits = fused_forward(input_ids_t, fed_positions.unsqueeze(0), cache)
@@ -239,10 +240,11 @@ def generate(
             traces.append(cache.kept_positions())
         return logits
 
+    prefill_evicts = stage in ("prefill", "both")
+    decode_evicts = stage in ("decode", "both")
     with kvbench_attention_enabled(model):
         measure.reset_peak(device)
         t0 = measure.now(device)
-        prefill_evicts = stage in ("prefill", "both")
         for start in range(0, context, chunk):
             logits = forward(input_ids[start : start + chunk], start, prefill_evicts, "prefill")
         kept_after_prefill = [layer.length for layer in cache.layers]
@@ -256,7 +258,6 @@ def generate(
         if return_logits:
             logits_seen.append(logits.float().cpu())
         latencies: list[float] = []
-        decode_evicts = stage in ("decode", "both")
         position = context + suffix
         stop_reason = "max_new_tokens"
         limit = len(forced_tokens) if forced_tokens else settings.max_new_tokens

@@ -167,6 +167,12 @@ class Scope(ABC):
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:
         """Bool [kv_heads, n]; at most ``budget`` True per head, never True on padding."""
 
+    def shield(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
+        """``scores`` with +inf on the protected entries: what eviction ranks. Never writes into ``scores`` (it
+        may be a view of the layer's statistics). Scopes override it with slices where heads share one length
+        (every decode step of a uniform allocation), so that no mask is built."""
+        return scores.masked_fill(self.protected(state, budget), float("inf"))
+
     def min_budget(self) -> int:
         """The smallest budget this scope can honour (its fixed protections plus one candidate)."""
         return 1
@@ -267,8 +273,7 @@ class Policy:
 
     def scored(self, state: TokenState, budget: int) -> torch.Tensor:
         """Scores with protected entries at +inf and padding at -inf, float32 [H, n]."""
-        scores = self.score(state).to(torch.float32)
-        scores = scores.masked_fill(self.scope.protected(state, budget), float("inf"))
+        scores = self.scope.shield(self.score(state).to(torch.float32), state, budget)
         if state.valid is not None:
             scores = scores.masked_fill(~state.valid, float("-inf"))
         return scores

@@ -34,11 +34,26 @@ def last_n(state: TokenState, n: int) -> torch.Tensor:
     return (idx >= lengths - n) & (idx < lengths)
 
 
+def shield_ends(scores: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """A copy of ``scores`` with +inf on the ``first`` oldest and ``last`` newest entries of every head
+    (heads of one length); ``scores`` itself when there are none."""
+    if first <= 0 and last <= 0:
+        return scores
+    out = scores.clone()
+    out[:, : max(first, 0)] = float("inf")
+    if last > 0:
+        out[:, -last:] = float("inf")
+    return out
+
+
 class Everything(Scope):
     """Every token is a candidate."""
 
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:
         return torch.zeros_like(state.positions, dtype=torch.bool)
+
+    def shield(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
+        return scores
 
 
 class SinksAndWindow(Scope):
@@ -56,6 +71,11 @@ class SinksAndWindow(Scope):
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:
         sinks = min(self.n_sink, budget)
         return first_n(state, sinks) | last_n(state, self.window_size(budget))
+
+    def shield(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
+        if state.valid is not None:
+            return super().shield(scores, state, budget)
+        return shield_ends(scores, min(self.n_sink, budget), self.window_size(budget))
 
     def min_budget(self) -> int:
         return self.n_sink + 1
@@ -98,8 +118,8 @@ class Robust(Scope):
         sinks = min(self.n_sink, budget)
         recent = min(self.n_recent, budget - sinks)
         k = min(self.std_count(budget, state.phase), state.length)
-        if state.valid is None:
-            return self._protected_in_order(state, sinks, recent, k)
+        if state.valid is None:  # one definition of the in-order case: shield's
+            return self.shield(torch.zeros_like(state.positions, dtype=torch.float32), state, budget).isposinf()
         base = first_n(state, sinks) | last_n(state, recent)
         if k == 0:
             return base
@@ -109,21 +129,22 @@ class Robust(Scope):
         chosen = torch.zeros_like(base).scatter_(1, idx, True) & torch.isfinite(candidates)
         return base | chosen
 
-    @staticmethod
-    def _protected_in_order(state: TokenState, sinks: int, recent: int, k: int) -> torch.Tensor:
-        """Heads of one length: the sinks and the recent window are the two ends of each row, so the
-        std candidates are the slice between them (the decode step's path: a handful of ops)."""
+    def shield(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
+        """Heads of one length: the sinks and the recent window are the two ends of each row, so the std
+        candidates are the slice between them (the decode step's path: a handful of ops)."""
+        if state.valid is not None:
+            return super().shield(scores, state, budget)
+        sinks = min(self.n_sink, budget)
+        recent = min(self.n_recent, budget - sinks)
         n = state.length
         lo = min(sinks, n)
         hi = max(lo, n - recent)
-        mask = torch.zeros_like(state.positions, dtype=torch.bool)
-        mask[:, :lo] = True
-        mask[:, hi:] = True
-        k = min(k, hi - lo)
+        out = shield_ends(scores, lo, n - hi)
+        k = min(self.std_count(budget, state.phase), state.length, hi - lo)
         if k > 0:
             idx = torch.topk(attention_deviation(state)[:, lo:hi], k, dim=-1, sorted=False).indices
-            mask.scatter_(1, idx + lo, True)
-        return mask
+            out = out.scatter(1, idx + lo, float("inf"))
+        return out
 
     def min_budget(self) -> int:
         return self.n_sink + self.n_recent + 1
