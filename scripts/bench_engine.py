@@ -3,16 +3,19 @@ context under a fixed budget, what each policy's statistics cost, prefill peak m
 decode speed as a fraction of the memory-bandwidth floor (weight bytes per token / read bandwidth).
 
     python scripts/bench_engine.py                      # SmolLM2, the README's table
-    python scripts/bench_engine.py --model tiny-llama --contexts 256 512 --quick
+    python scripts/bench_engine.py --model tiny-llama --contexts 256 512 --policy-context 512 --overhead-context 256 \
+        --memory-contexts 256 --budget 64 --stride 128 --new-tokens 8 --repeats 1 --out /tmp/bench   # seconds
 
-After a warm-up: the overhead comparison takes the median of ``--repeats`` whole runs; every other
-decode figure is the median over the ``--new-tokens`` steps of a run, the least-disturbed of
-``--repeats`` runs, the runs of the compared policies interleaved (round after round) so that a slow
-spell of a shared machine lands on all of them alike. CPU here, CUDA when present.
+After a warm-up: the overhead comparison takes the median of ``--repeats`` whole runs. Every other
+decode figure compares runs step by step: each of the compared runs encodes its prompt, then they decode
+one token each in turn (the order rotating every step), so that a slow spell of a shared machine lands on
+all of them alike; a figure is the median of a run's ``--new-tokens`` steps over ``--repeats`` such rounds.
+CPU here, CUDA when present.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import threading
@@ -25,7 +28,8 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.engine import measure
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.attention import kvbench_attention_enabled
+from kvbench.engine.generate import DecodeSettings, generate, generation
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies.registry import build_policy
 
@@ -91,23 +95,42 @@ def hf_generate_times(lm: LoadedModel, ids: list[int], new_tokens: int) -> tuple
 def kvbench_times(lm: LoadedModel, ids: list[int], name: str, budget: float | int, stage: str, new_tokens: int,
                   stride: int | None = None) -> tuple[float, float]:
     """(prefill seconds, median decode seconds per token) of one kvbench generation."""
-    lm.model.generation_config.eos_token_id = None  # always decode exactly new_tokens
-    g = generate(lm.model, lm.tokenizer, ids, policy(name), budget, stage, DecodeSettings(max_new_tokens=new_tokens),
+    lm.model.generation_config.eos_token_id = None  # with no tokenizer either: exactly new_tokens
+    g = generate(lm.model, None, ids, policy(name), budget, stage, DecodeSettings(max_new_tokens=new_tokens),
                  stride=stride)
     return g.prefill_s, statistics.median(g.decode_latencies_s)
 
 
-def best_step_ms(lm: LoadedModel, ids: list[int], runs: dict[str, tuple[str, float | int, str]],
-                 args: argparse.Namespace) -> dict[str, float]:
-    """Per label (label -> (policy, budget, stage)), the least-disturbed of ``--repeats`` runs, each the
-    median of its decode steps, in ms. Rounds interleave the runs; on a shared machine other tenants only
-    ever add time, so the minimum is the steadiest estimate."""
-    best = {label: float("inf") for label in runs}
-    for _ in range(args.repeats):
-        for label, (name, budget, stage) in runs.items():
-            step = kvbench_times(lm, ids, name, budget, stage, args.new_tokens, args.stride)[1] * 1e3
-            best[label] = min(best[label], step)
-    return best
+def interleaved_step_ms(lm: LoadedModel, ids: list[int], runs: dict[str, tuple[str, float | int, str]],
+                        args: argparse.Namespace) -> dict[str, float]:
+    """Per label (label -> (policy, budget, stage)), the median decode step in ms. In each of ``--repeats``
+    rounds every run encodes the prompt, then the runs decode one token each in turn, the order rotating every
+    step: what a disturbance of the machine costs, it costs every run alike."""
+    lm.model.generation_config.eos_token_id = None  # with no tokenizer either: exactly new_tokens every run
+    steps: dict[str, list[float]] = {label: [] for label in runs}
+    settings = DecodeSettings(max_new_tokens=args.new_tokens)
+    with kvbench_attention_enabled(lm.model):  # held across the interleaved generations
+        for _ in range(args.repeats):
+            live = {}
+            for label, (name, budget, stage) in runs.items():
+                live[label] = generation(lm.model, None, ids, policy(name), budget, stage, settings, stride=args.stride)
+                next(live[label])  # the prompt
+            for step in itertools.count():
+                if not live:
+                    break
+                labels = list(live)
+                for label in labels[step % len(labels):] + labels[: step % len(labels)]:
+                    try:
+                        next(live[label])
+                    except StopIteration as done:
+                        steps[label] += done.value.decode_latencies_s
+                        del live[label]
+    return {label: statistics.median(xs) * 1e3 for label, xs in steps.items()}
+
+
+def baseline(label: str) -> str:
+    """The run a policy's decode step is compared with: window in the same stage."""
+    return "window (prefill)" if label.endswith("(prefill)") else "window"
 
 
 def peak_rss_during(fn: Callable[[], Any]) -> int:
@@ -166,7 +189,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny-llama"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=33)
+    ap.add_argument("--new-tokens", type=int, default=49)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--overhead-context", type=int, default=1024)
     ap.add_argument("--policy-context", type=int, default=4096)
@@ -211,7 +234,7 @@ def main() -> None:
     growth: dict[str, dict[int, float]] = {name: {} for name in growth_names}
     for n in args.contexts:
         runs = {name: (name, 1.0, "prefill") if name == "full" else (name, args.budget, "both") for name in growth_names}
-        for name, ms in best_step_ms(lm, prompt_ids(lm, n), runs, args).items():
+        for name, ms in interleaved_step_ms(lm, prompt_ids(lm, n), runs, args).items():
             growth[name][n] = ms
             print(f"decode {name:>12} @ {n:>5}: {ms:.2f} ms/token")
     report["growth_ms"] = growth
@@ -220,14 +243,15 @@ def main() -> None:
     names = ["window"] + available(STATISTICS_POLICIES + ["streamingllm", "random", "knorm", "pyramidkv", "adakv"])
     runs = {"full": ("full", 1.0, "prefill")} | {name: (name, args.budget * 2, "both") for name in dict.fromkeys(names)}
     # Policies that only compress the prompt as published (SnapKV's observation window and its family):
-    # also their decode steps in that use, holding the compressed prompt plus the new tokens.
+    # also their decode steps in that use, holding the compressed prompt plus the new tokens, against
+    # window in the same use.
     runs |= {f"{name} (prefill)": (name, args.budget * 2, "prefill")
-             for name in available(["snapkv", "pyramidkv", "adakv"])}
-    per_policy = best_step_ms(lm, ctx, runs, args)
+             for name in ["window"] + available(["snapkv", "pyramidkv", "adakv"])}
+    per_policy = interleaved_step_ms(lm, ctx, runs, args)
     report["policy_ms"] = per_policy
-    report["policy_vs_window"] = {k: v / per_policy["window"] for k, v in per_policy.items()}
+    report["policy_vs_window"] = {k: v / per_policy[baseline(k)] for k, v in per_policy.items()}
     for k, v in per_policy.items():
-        print(f"policy {k:>18}: {v:.2f} ms/token = {v / per_policy['window']:.2f} x window")
+        print(f"policy {k:>18}: {v:.2f} ms/token = {report['policy_vs_window'][k]:.2f} x {baseline(k)}")
 
     memory: dict[str, dict[int, int]] = {}
     for name in ["full"] + available(["h2o", "roco", "snapkv"]):

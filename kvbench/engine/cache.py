@@ -392,16 +392,19 @@ class PooledLayer(_LayerBase):
             raise RuntimeError(
                 f"layer {self.layer_idx}: {self.rows + h * q} rows exceed the pre-allocated pool {self.store.k.shape[2]}"
             )
-        past_idx, past_valid = self.index()
-        uneven = self.rows != h * self.longest
+        pool_step = q == 1 and self.cache.rotary is None and self.visible_past is None
+        if not pool_step:
+            past_idx, past_valid = self.index()
+            uneven = self.rows != h * self.longest
         taken, self.free = self.free[: h * q], self.free[h * q :]
         self.span += max(0, h * q - self.holes)
         self.holes = max(0, self.holes - h * q)
         new_rows = taken.view(h, q)
         stored = self._stored_keys(key_states)[0]
         self.store.write_rows(taken, stored.reshape(h * q, -1), value_states[0].reshape(h * q, -1))
-        self.positions[0].index_copy_(0, taken, self.cache.step_positions.repeat(h))
-        self.head_of.index_copy_(0, taken, self.head_ids.repeat_interleave(q))
+        self.positions[0].index_copy_(0, taken, self.cache.step_positions.repeat(h) if q > 1
+                                      else self.cache.step_positions.expand(h))
+        self.head_of.index_copy_(0, taken, self.head_ids.repeat_interleave(q) if q > 1 else self.head_ids)
         if self.table is not None:
             self.table[0].index_fill_(0, taken, 0.0)
             self._write_features(taken)
@@ -410,7 +413,7 @@ class PooledLayer(_LayerBase):
         self.lengths = self.lengths + q
         self.longest += q
         self.rows += h * q
-        if q == 1 and self.cache.rotary is None and self.visible_past is None:
+        if pool_step:
             # A decode step reads the pool as it lies, each head masked to its own rows: no per-head view.
             self.view_index = None
             self.pool_visible = self.head_of[: self.span].unsqueeze(0) == self.head_ids.unsqueeze(1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,8 +144,18 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def generate(*args: Any, **kwargs: Any) -> Generation:
+    """Run one prompt through prefill and decode: ``generation``'s steps, to the end."""
+    steps = generation(*args, **kwargs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 @torch.inference_mode()
-def generate(
+def generation(
     model: Any,
     tokenizer: Any,
     input_ids: list[int],
@@ -160,8 +171,11 @@ def generate(
     forced_tokens: list[int] | None = None,
     replay_trace: list[list[torch.Tensor]] | None = None,
     fused: bool | None = None,
-) -> Generation:
-    """Run one prompt through prefill and decode with ``policy`` holding ``budget`` in ``stage``.
+) -> Generator[None, None, Generation]:
+    """Run one prompt through prefill and decode with ``policy`` holding ``budget`` in ``stage``, pausing
+    (``yield``) once the prompt is in and after every decode step; the ``Generation`` is the return value.
+    Pausing lets a benchmark interleave the decode steps of several runs, so that a slow spell of a shared
+    machine lands on all of them alike (the device's peak-memory counters are then shared by those runs).
 
     ``suffix_ids`` are fed after the context is compressed (a question the policy must not see
     while compressing). ``layer_budgets(budget, n_layers) -> list[int]`` splits the budget across
@@ -257,6 +271,7 @@ def generate(
         tokens = [token]
         if return_logits:
             logits_seen.append(logits.float().cpu())
+        yield
         latencies: list[float] = []
         position = context + suffix
         stop_reason = "max_new_tokens"
@@ -278,6 +293,7 @@ def generate(
             tokens.append(token)
             if return_logits:
                 logits_seen.append(logits.float().cpu())
+            yield
         peak, _ = measure.peak_memory_bytes(device)
 
     summary = cache.summary()
