@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engine.generate import DecodeSettings, generate, plan_capacity, resolve_budget
+from kvbench.engine.generate import DecodeSettings, generate, generation, plan_capacity, resolve_budget
 from kvbench.policies.registry import build_policy
 
 POLICIES = {
@@ -196,3 +196,30 @@ def test_fused_forward_refuses_other_architectures():
     with pytest.raises(ValueError, match="fused=true but model_type 'gpt2'"):
         generate(gpt2, None, [1, 2, 3], build_policy(POLICIES["full"]), 1.0, "prefill",
                  DecodeSettings(max_new_tokens=2), fused=True)
+
+
+def test_interleaved_generations_equal_each_run_alone(tiny, random_ids):
+    """``generation`` pauses after the prompt and each decode step; stepping several runs in turn (as the
+    benchmark does) must give each run exactly what it gives alone: no state is shared between runs."""
+    ids = random_ids(40, seed=23)
+    h2o = {"name": "h2o", "score": "accumulated", "scope": {"kind": "sinks_window", "n_sink": 2, "window": 0.5}}
+    ada = {"name": "ada", "score": "accumulated", "scope": {"kind": "sinks_window", "n_sink": 2},
+           "allocation": {"kind": "adaptive"}}
+    runs = [(h2o, "both"), (ada, "both"), (POLICIES["random"], "decode")]
+    settings = DecodeSettings(max_new_tokens=6)
+
+    def start(cfg, stage, steps=generation):
+        return steps(tiny.model, None, ids, build_policy(cfg), 0.4, stage, settings, stride=16, return_logits=True)
+
+    alone = [start(cfg, stage, generate) for cfg, stage in runs]
+    live, done = [start(cfg, stage) for cfg, stage in runs], {}
+    while len(done) < len(live):
+        for i, g in enumerate(live):
+            if i not in done:
+                try:
+                    next(g)
+                except StopIteration as stop:
+                    done[i] = stop.value
+    for i, ref in enumerate(alone):
+        assert done[i].tokens == ref.tokens
+        torch.testing.assert_close(done[i].logits, ref.logits, rtol=0, atol=0)

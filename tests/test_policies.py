@@ -312,6 +312,55 @@ def test_adakv_with_a_full_floor_is_snapkv(tiny, random_ids, monkeypatch, stage)
             assert [sorted(h.tolist()) for h in a] == [sorted(h.tolist()) for h in s]
 
 
+def test_adakv_pool_stays_dense(tiny, random_ids, monkeypatch):
+    """A decode step attends over the pool's whole span: a prompt chunk's eviction makes it dense, and each
+    decode step's new rows take the rows the previous step freed, so the span never runs far past the rows
+    held (by at most one step's new entries)."""
+    spy = Spy(monkeypatch)
+    spans = []
+    after = cache_module.BudgetedCache.after_attention
+
+    def record(cache, layer_idx, n_new, stats):
+        after(cache, layer_idx, n_new, stats)
+        layer = cache.layers[layer_idx]
+        spans.append((cache.phase, layer.span, layer.rows, layer.heads))
+
+    monkeypatch.setattr(cache_module.BudgetedCache, "after_attention", record)
+    run(tiny, random_ids(PROMPT, seed=21), named("adakv"), 0.25, "both")
+    assert spy.cache.layers[0].head_lengths()  # a pooled layer ran
+    for phase, span, rows, heads in spans:
+        assert rows <= span <= rows + heads, (phase, span, rows)
+    assert any(span == rows + heads for phase, span, rows, heads in spans if phase == "decode")
+
+
+@pytest.mark.parametrize("stage, collects", [("prefill", False), ("both", True)])
+def test_statistics_are_collected_only_while_a_later_step_evicts(tiny, random_ids, monkeypatch, stage, collects):
+    """Stage prefill: decode steps never evict, so they compute no statistics; stage both: they do."""
+    calls = {"prefill": 0, "decode": 0}
+    current = {}
+    for fn in ("attention_statistics", "decode_attention", "pooled_decode_attention"):
+        original = getattr(attention_module, fn)
+
+        def counted(*args, _original=original, **kwargs):
+            out = _original(*args, **kwargs)
+            stats = out[1] if isinstance(out, tuple) else out
+            calls[current["cache"].phase] += bool(stats)
+            return out
+
+        monkeypatch.setattr(attention_module, fn, counted)
+    begin = cache_module.BudgetedCache.begin_step
+
+    def spy_begin(cache, *args, **kwargs):
+        current["cache"] = cache
+        return begin(cache, *args, **kwargs)
+
+    monkeypatch.setattr(cache_module.BudgetedCache, "begin_step", spy_begin)
+    for name in ("h2o", "adakv"):
+        calls.update(prefill=0, decode=0)
+        run(tiny, random_ids(PROMPT, seed=22), named(name), 0.3, stage)
+        assert calls["prefill"] > 0 and (calls["decode"] > 0) == collects, (name, calls)
+
+
 def test_adaptive_allocation_in_decode_holds_the_layer_total(tiny, random_ids):
     policy = build_policy({"name": "ada-h2o", "score": "accumulated", "scope": {"kind": "sinks_window", "n_sink": 2},
                            "allocation": {"kind": "adaptive", "floor": 0.2}})

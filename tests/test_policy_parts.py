@@ -87,7 +87,7 @@ def test_full_never_evicts_and_unknown_parts_are_named():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from kvbench.engine.attention import attention_statistics, decode_attention  # noqa: E402
+from kvbench.engine.attention import attention_statistics, decode_attention, pooled_decode_attention  # noqa: E402
 from kvbench.policies.allocation import Adaptive, Pyramid  # noqa: E402
 from kvbench.policies.base import Allocation, Score  # noqa: E402
 from kvbench.policies.merge import merge_evicted  # noqa: E402
@@ -339,7 +339,8 @@ def test_in_order_shield_is_the_general_protected_set(scope, budget):
     g = torch.Generator().manual_seed(budget)
     n, heads = 12, 3
     acc = torch.rand(heads, n, generator=g)
-    stats = {"acc": acc, "sumsq": acc.square() * torch.rand(heads, n, generator=g), "count": torch.arange(n, 0, -1.0).expand(heads, n)}
+    stats = {"acc": acc, "sumsq": acc.square() * torch.rand(heads, n, generator=g),
+             "count": torch.arange(n, 0, -1.0).expand(heads, n)}
     positions = torch.arange(n).expand(heads, n)
     uniform = TokenState(positions=positions, stats=stats, phase="decode")
     padded = TokenState(positions=positions, stats=stats, phase="decode", valid=torch.ones(heads, n, dtype=torch.bool))
@@ -351,3 +352,30 @@ def test_in_order_shield_is_the_general_protected_set(scope, budget):
     assert shielded.isposinf().tolist() == general.tolist()
     torch.testing.assert_close(shielded[~general], scores[~general])
     assert scope.protected(uniform, budget).tolist() == general.tolist()
+
+
+def test_pooled_decode_attention_equals_decode_attention_over_each_heads_rows():
+    """A pool of (head, token) rows in any order, heads holding different counts: attending in place, each
+    head masked to its own rows, gives decode_attention's output over each head's rows gathered (padding
+    masked), and statistics that are exactly zero off a head's rows."""
+    rng = np.random.default_rng(8)
+    rows, dim = 11, 8
+    owner_of = np.array([1, 0, 2, 1, 1, 0, 2, 3, 1, 0, 2])  # 3 = a free row
+    q, k, v = (torch.tensor(rng.normal(size=s)).float() for s in ((1, 6, 1, dim), (1, 1, rows, dim), (1, 1, rows, dim)))
+    owner = torch.tensor(owner_of[None, :] == np.arange(3)[:, None])
+    needs = frozenset({"acc", "sumsq", "last", "qlog"})
+    output, stats = pooled_decode_attention(q, k, v, dim**-0.5, owner, needs, history=2)
+    held = [np.flatnonzero(owner_of == h) for h in range(3)]
+    longest = max(len(r) for r in held)
+    view = torch.tensor([list(r) + [0] * (longest - len(r)) for r in held])
+    past_visible = torch.tensor([[j < len(r) for j in range(longest)] for r in held])[:, 1:]  # last entry: "new"
+    order = torch.cat([view[:, 1:], view[:, :1]], dim=1)  # decode_attention's new entry is the last one
+    ref_out, ref = decode_attention(q, k[0, 0][order].unsqueeze(0), v[0, 0][order].unsqueeze(0), dim**-0.5,
+                                    past_visible, needs, history=2)
+    torch.testing.assert_close(output, ref_out, rtol=1e-5, atol=1e-6)
+    visible = torch.cat([past_visible, torch.ones(3, 1, dtype=torch.bool)], 1)
+    for name in ("acc", "sumsq", "last"):
+        pooled = torch.zeros(3, rows).scatter_add_(1, order, ref[name] * visible)
+        torch.testing.assert_close(stats[name], pooled, rtol=1e-5, atol=1e-7)
+        assert (stats[name][~owner] == 0).all()
+    torch.testing.assert_close(stats["qlog_nvis"], torch.tensor([[3.0], [4.0], [3.0]]))  # rows each head holds

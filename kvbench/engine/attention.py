@@ -6,8 +6,9 @@ per layer: causal inside the new chunk, every kept past entry visible (except wh
 statistics the policy asks for are computed, a block of queries at a time, so no n×n matrix is ever
 held; a policy that needs none (window, key norm, random) pays nothing. A decode step (one query) of a
 policy that needs them computes its probabilities once and takes both the output and the statistics from
-them, as an implementation of such a policy would. Once the output exists the cache folds the statistics
-in and evicts: the step's own queries count.
+them, as an implementation of such a policy would; a per-head-allocated layer's decode step attends over
+its pool of (head, token) rows in place. Once no later step will evict, no statistics are computed. Once the
+output exists the cache folds the statistics in and evicts: the step's own queries count.
 """
 from __future__ import annotations
 

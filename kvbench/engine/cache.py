@@ -10,10 +10,10 @@ Two layer layouts:
 - ``PooledLayer`` (per-head allocation, Ada-KV): heads hold different counts, so the layer stores one flat
   pool of rows [1, 1, H × capacity, D], each row one (head, token) entry tagged with its head. Only kept
   entries are stored (no padding): resident bytes are rows × bytes per row, exactly what the tensors hold,
-  and the pool's capacity equals the uniform layout's (the layer total never exceeds H × budget). For the
-  attention kernel the layer gathers, per step, a padded [1, H, longest head + new, D] view whose padding
-  is masked out (``visible_past``); that view is transient compute workspace, freed after the layer's
-  attention, not cache memory.
+  and the pool's capacity equals the uniform layout's (the layer total never exceeds H × budget). A decode
+  step's attention reads the pool where it lies, each head masked to its own rows (``pool_visible``); a
+  prompt chunk's gathers a padded [1, H, longest head + new, D] view whose padding is masked out
+  (``visible_past``), transient compute workspace freed after the layer's attention, not cache memory.
 
 Both store K/V through ``KVStore``: the model's dtype, or int8/fp8 codes with float32 per-entry scales
 (``policy.quantize``); resident bytes count the codes and the scales.
