@@ -11,7 +11,7 @@ Two layer layouts:
   pool of rows [1, 1, H × capacity, D], each row one (head, token) entry tagged with its head. Only kept
   entries are stored (no padding): resident bytes are rows × bytes per row, exactly what the tensors hold,
   and the pool's capacity equals the uniform layout's (the layer total never exceeds H × budget). A decode
-  step's attention reads the pool where it lies, each head masked to its own rows (``pool_visible``); a
+  step's attention reads the pool where it lies, each head masked to its own rows (``pool_bias``); a
   prompt chunk's gathers a padded [1, H, longest head + new, D] view whose padding is masked out
   (``visible_past``), transient compute workspace freed after the layer's attention, not cache memory.
 
@@ -153,9 +153,9 @@ class _LayerBase(CacheLayerMixin):
         # Which past entries the next step may see ([kv_heads, past] bool; None = all): masked replay, and
         # the padding of a PooledLayer's per-step view.
         self.visible_past: torch.Tensor | None = None
-        # Which pool rows each KV head sees ([kv_heads, rows] bool) when the step's keys are a PooledLayer's
-        # whole pool rather than a per-head view; None otherwise.
-        self.pool_visible: torch.Tensor | None = None
+        # When the step's keys are a PooledLayer's whole pool rather than a per-head view: per KV head and pool
+        # row, 0 where the head holds the row and -inf elsewhere ([kv_heads, rows], added to the logits).
+        self.pool_bias: torch.Tensor | None = None
 
     def get_max_length(self) -> int:
         return self.plan.capacity
@@ -342,7 +342,7 @@ class PooledLayer(_LayerBase):
     row ``head_rows[h, j]`` for j < ``lengths[h]``; later slots are stale); new entries take rows from the
     ``free`` list and are appended to their head's list, evicted entries give their rows back. A decode step
     therefore rewrites only the rows of new entries and the small lists, never the held K/V, and sorts nothing;
-    its attention reads the pool where it lies (``pool_visible``: each head its own rows). Freed rows are
+    its attention reads the pool where it lies (``pool_bias``: each head its own rows). Freed rows are
     taken again first, so the rows in use stay within a ``span`` little larger than the entries held; when
     an eviction leaves many holes (a prompt chunk's), the held entries are moved together once
     (``make_dense``). ``length`` is the mean count per head.
@@ -376,6 +376,9 @@ class PooledLayer(_LayerBase):
         # The head holding each row (``heads`` = free): a decode step's visibility over the pool.
         self.head_ids = torch.arange(self.heads, device=self.device)
         self.head_of = torch.full((pool,), self.heads, dtype=torch.long, device=self.device)
+        # Column g of head_bias: what head h adds to the logit of a row held by head g (g = heads: free).
+        owns = self.head_ids.unsqueeze(1) == torch.arange(self.heads + 1, device=self.device)
+        self.head_bias = torch.zeros(owns.shape, device=self.device).masked_fill_(~owns, float("-inf"))
 
     def index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per head, its rows in sequence order padded to the longest head: (rows [H, L], valid [H, L]). Padding
@@ -416,7 +419,7 @@ class PooledLayer(_LayerBase):
         if pool_step:
             # A decode step reads the pool as it lies, each head masked to its own rows: no per-head view.
             self.view_index = None
-            self.pool_visible = self.head_of[: self.span].unsqueeze(0) == self.head_ids.unsqueeze(1)
+            self.pool_bias = self.head_bias[:, self.head_of[: self.span]]
             keys, values = self.store.read(self.span)
             return keys.unsqueeze(0), values.unsqueeze(0)
         # The step's view: each head's past (padded to the longest head), then its new rows.
@@ -639,7 +642,7 @@ class BudgetedCache(Cache):
         """Called by the attention function once the layer's output is computed (H2O's order)."""
         layer = self.layers[layer_idx]
         layer.observe(n_new, stats)
-        layer.visible_past = layer.pool_visible = None
+        layer.visible_past = layer.pool_bias = None
         if self.evicting:
             layer.evict_to_budget()
 
