@@ -519,6 +519,7 @@ class PooledLayer(_LayerBase):
             valid=None if self.rows == self.heads * self.longest else valid,
             load_kv=lambda: self.store.gather(idx),
             derived=derived,
+            lengths=self.lengths,
         )
 
     def evict_to_budget(self) -> None:

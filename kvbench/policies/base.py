@@ -55,7 +55,8 @@ class TokenState:
     have zero statistics and are never protected or kept.
 
     ``phase`` is "prefill" while the prompt is being encoded and "decode" while tokens are generated.
-    ``derived`` presets quantities of ``derived()`` that the layer can compute more cheaply itself.
+    ``derived`` presets quantities of ``derived()`` that the layer can compute more cheaply itself, ``lengths``
+    the count per head.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class TokenState:
         valid: torch.Tensor | None = None,
         load_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
         derived: dict[str, torch.Tensor] | None = None,
+        lengths: torch.Tensor | None = None,
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
@@ -83,6 +85,7 @@ class TokenState:
         self.phase = phase
         self.valid = valid
         self._derived: dict[str, torch.Tensor] = dict(derived or {})
+        self._lengths = lengths
 
     def derived(self, name: str, compute: Callable[["TokenState"], torch.Tensor]) -> torch.Tensor:
         """A quantity computed from this state once, shared by the parts that read it (RoCo's mean
@@ -119,7 +122,9 @@ class TokenState:
         return self.positions.shape[0]
 
     def lengths(self) -> torch.Tensor:
-        """Tokens held per head, long [H]."""
+        """Tokens held per head, long [H] (``lengths`` when the layer gave them)."""
+        if self._lengths is not None:
+            return self._lengths
         if self.valid is None:
             return torch.full((self.heads,), self.length, dtype=torch.long, device=self.positions.device)
         return self.valid.sum(dim=-1)

@@ -69,8 +69,15 @@ class SinksAndWindow(Scope):
         return min(resolve_count(self.window, budget), budget - min(self.n_sink, budget))
 
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:
-        sinks = min(self.n_sink, budget)
-        return first_n(state, sinks) | last_n(state, self.window_size(budget))
+        sinks, window = min(self.n_sink, budget), self.window_size(budget)
+        if state.valid is None:
+            return first_n(state, sinks) | last_n(state, window)
+        # Heads of different lengths, in a few ops: each head's first entries and the last ones before its length.
+        idx = torch.arange(state.length, device=state.positions.device).unsqueeze(0)
+        ends = idx >= state.lengths().unsqueeze(1) - window
+        if sinks > 0:
+            ends |= idx < sinks
+        return ends & state.valid
 
     def shield(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
         if state.valid is not None:
