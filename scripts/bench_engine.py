@@ -6,11 +6,11 @@ decode speed as a fraction of the memory-bandwidth floor (weight bytes per token
     python scripts/bench_engine.py --model tiny-llama --contexts 256 512 --policy-context 512 --overhead-context 256 \
         --memory-contexts 256 --budget 64 --stride 128 --new-tokens 8 --repeats 1 --out /tmp/bench   # seconds
 
-After a warm-up: the overhead comparison takes the median of ``--repeats`` whole runs. Every other
-decode figure compares runs step by step: each of the compared runs encodes its prompt, then they decode
-one token each in turn (the order rotating every step), so that a slow spell of a shared machine lands on
-all of them alike; a figure is the median of a run's ``--new-tokens`` steps over ``--repeats`` such rounds.
-CPU here, CUDA when present.
+After a warm-up: the overhead comparison takes the median of ``--overhead-repeats`` whole runs of each,
+transformers' and kvbench's alternating. Every other decode figure compares runs step by step: each of the
+compared runs encodes its prompt, then they decode one token each in turn (the order rotating every step),
+so that a slow spell of a shared machine lands on all of them alike; a figure is the median of a run's
+``--new-tokens`` steps over ``--repeats`` such rounds. CPU here, CUDA when present.
 """
 from __future__ import annotations
 
@@ -189,9 +189,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny-llama"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=49)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=65)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--overhead-context", type=int, default=1024)
+    ap.add_argument("--overhead-repeats", type=int, default=5)
     ap.add_argument("--policy-context", type=int, default=4096)
     ap.add_argument("--memory-contexts", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--memory-repeats", type=int, default=2)
@@ -218,8 +219,10 @@ def main() -> None:
     ids = prompt_ids(lm, args.overhead_context)
     kvbench_times(lm, ids[:64], "full", 1.0, "prefill", 4)  # warm-up
     hf_generate_times(lm, ids[:64], 4)
-    hf = [hf_generate_times(lm, ids, args.new_tokens) for _ in range(args.repeats)]
-    kv = [kvbench_times(lm, ids, "full", 1.0, "prefill", args.new_tokens) for _ in range(args.repeats)]
+    hf, kv = [], []
+    for _ in range(args.overhead_repeats):  # alternating, so that a slow spell does not favour either
+        hf.append(hf_generate_times(lm, ids, args.new_tokens))
+        kv.append(kvbench_times(lm, ids, "full", 1.0, "prefill", args.new_tokens))
     hf_prefill, hf_step = statistics.median(p for p, _ in hf), statistics.median(s for _, s in hf)
     kv_prefill, kv_step = statistics.median(p for p, _ in kv), statistics.median(s for _, s in kv)
     report["overhead"] = {
