@@ -551,8 +551,8 @@ class PooledLayer(_LayerBase):
         holes; returns the rows the entries now occupy."""
         idx, valid = self.index()
         held = idx[valid]
-        rows = [t[0, 0] for t in self.store.tensors()] + [self.positions[0], self.head_of]
-        for t in rows + ([self.table[0]] if self.table is not None else []):
+        per_row = [t[0, 0] for t in self.store.tensors()] + [self.positions[0], self.head_of]
+        for t in per_row + ([self.table[0]] if self.table is not None else []):
             t[: self.rows] = t.index_select(0, held)
         self.head_of[self.rows :] = self.heads
         dense = torch.arange(self.rows, device=self.device)
