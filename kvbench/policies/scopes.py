@@ -122,11 +122,11 @@ class Robust(Scope):
         return max(0, min(math.floor(self.rho(phase) * budget + 1e-9), budget - fixed))
 
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:
+        if state.valid is None:  # one definition of the in-order case: shield's
+            return self.shield(torch.zeros_like(state.positions, dtype=torch.float32), state, budget).isposinf()
         sinks = min(self.n_sink, budget)
         recent = min(self.n_recent, budget - sinks)
         k = min(self.std_count(budget, state.phase), state.length)
-        if state.valid is None:  # one definition of the in-order case: shield's
-            return self.shield(torch.zeros_like(state.positions, dtype=torch.float32), state, budget).isposinf()
         base = first_n(state, sinks) | last_n(state, recent)
         if k == 0:
             return base
