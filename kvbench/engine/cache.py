@@ -18,9 +18,10 @@ Two layer layouts:
 Both store K/V through ``KVStore``: the model's dtype, or int8/fp8 codes with float32 per-entry scales
 (``policy.quantize``); resident bytes count the codes and the scales.
 
-Everything else a layer knows per entry (statistics, write-time features, the query log) lives in one
-float32 *token table* [G, rows, columns], so adding a token zeroes one slice and compaction moves one
-block of rows, whatever the policy reads.
+Everything else a layer knows per entry (statistics, write-time features) lives in one float32 *token
+table* [G, rows, columns], so adding a token zeroes one slice and compaction moves one block of rows,
+whatever the policy reads. The query log (``QueryLog``) is the exception: it is indexed by a slot each
+entry keeps while held, so that compaction moves only the slot ids, not ``history`` values per entry.
 """
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ from kvbench.policies.base import Policy, Stats, TokenState
 from kvbench.policies.merge import merge_evicted
 from kvbench.policies.positions import Rotary, find_rotary
 from kvbench.policies.quantize import Quantizer
+from kvbench.engine.query_log import QueryLog
 
 # Per-token statistics a layer accumulates; each is a column of the token table, seen as [kv_heads, capacity]
 # ("mass": attention mass merged into an entry). Scores reading a query log also get ``qlog`` [kv_heads,
-# history, capacity] (a ring of the most recent queries' rows, as the score logs them) and ``qlog_nvis``
-# [kv_heads, history]. ``count`` (queries that saw an entry) is not stored: every query fed after an entry
-# sees it, so it is the number of tokens fed minus the entry's position.
+# history, held] (the most recent queries' rows, as the score logs them), its sum ``qlog_sum`` and
+# ``qlog_nvis`` [kv_heads, history]. ``count`` (queries that saw an entry) is not stored: every query fed
+# after an entry sees it, so it is the number of tokens fed minus the entry's position.
 STAT_NAMES = ("acc", "sumsq", "last", "mass")
 
 
@@ -147,9 +149,7 @@ class _LayerBase(CacheLayerMixin):
         self.positions: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
-        self.qlog: torch.Tensor | None = None
-        self.qlog_nvis: torch.Tensor | None = None
-        self.qlog_next = 0
+        self.log: QueryLog | None = None
         # Which past entries the next step may see ([kv_heads, past] bool; None = all): masked replay, and
         # the padding of a PooledLayer's per-step view.
         self.visible_past: torch.Tensor | None = None
@@ -169,21 +169,12 @@ class _LayerBase(CacheLayerMixin):
         self.keys, self.values = self.store.k, self.store.v
         self.positions = torch.zeros(groups, rows, dtype=torch.long, device=self.device)
         columns = sorted(n for n in self.policy.needs if n in STAT_NAMES) + sorted(self.policy.feature_names)
-        history = self.policy.history if "qlog" in self.policy.needs else 0
-        if columns or history:
-            self.table = torch.zeros(groups, rows, len(columns) + history, dtype=torch.float32, device=self.device)
+        if columns:
+            self.table = torch.zeros(groups, rows, len(columns), dtype=torch.float32, device=self.device)
         self.stats = {name: self.table[:, :, i] for i, name in enumerate(columns)}
-        if history:
-            self.qlog = self.table[:, :, len(columns):].transpose(1, 2)
-            self.qlog_nvis = torch.zeros(key_states.shape[1], history, dtype=torch.float32, device=self.device)
+        if "qlog" in self.policy.needs and self.policy.history:
+            self.log = QueryLog(groups, rows, self.policy.history, key_states.shape[1], self.device)
         self.is_initialized = True
-
-    def _ring_slots(self, r: int) -> list[int]:
-        """The ring rows the step's last ``r`` queries go to."""
-        history = self.qlog.shape[1]
-        slots = [(self.qlog_next + i) % history for i in range(r)]
-        self.qlog_next += r
-        return slots
 
     def _logged(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
         """The step's query-log rows as the score keeps them (e.g. ScissorHands' hit indicators)."""
@@ -208,15 +199,23 @@ class _LayerBase(CacheLayerMixin):
 
 
 class BudgetedLayer(_LayerBase):
-    """Uniform allocation: buffers [1, kv_heads, capacity, D], every head holding ``length`` tokens."""
+    """Uniform allocation: buffers [1, kv_heads, capacity, D], every head holding ``length`` tokens.
+
+    With a query log, ``log_slot`` [kv_heads, capacity] is a permutation of the log's slots: entry j of head h
+    owns slot ``log_slot[h, j]`` for j < ``length``, the rest are free. Compaction permutes it (kept entries
+    first, the evicted ones' slots freed behind them)."""
 
     def __init__(self, layer_idx: int, plan: LayerPlan, policy: Policy, cache: "BudgetedCache"):
         super().__init__(layer_idx, plan, policy, cache)
         self.length = 0
+        self.log_slot: torch.Tensor | None = None
 
     # -- transformers' layer contract ------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._init_store(key_states, value_states, key_states.shape[1], self.plan.capacity)
+        groups, capacity = key_states.shape[1], self.plan.capacity
+        self._init_store(key_states, value_states, groups, capacity)
+        if self.log is not None:
+            self.log_slot = torch.arange(capacity, device=self.device).repeat(groups, 1)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -232,6 +231,8 @@ class BudgetedLayer(_LayerBase):
         if self.table is not None:
             self.table[:, self.length : end] = 0.0
             self._write_features(self.length, end)
+        if self.log is not None:
+            self.log.clear(self.log_slot[:, self.length : end])
         keys, values = self.store.read(end)
         if self.cache.rotary is not None:  # contiguous run ending at the step's last fed position
             start = int(self.cache.step_model_positions[0]) - self.length
@@ -246,6 +247,8 @@ class BudgetedLayer(_LayerBase):
 
     def reset(self) -> None:
         self.length = 0
+        if self.log is not None:
+            self.log.reset()
 
     # -- kvbench's own steps -----------------------------------------------------------------
     def max_head_length(self) -> int:
@@ -266,29 +269,28 @@ class BudgetedLayer(_LayerBase):
                 self.stats["last"][:, :total] = value
             elif name in self.stats:
                 self.stats[name][:, :total] += value
-        if self.qlog is not None and "qlog" in stats:
-            slots = self._ring_slots(stats["qlog"].shape[1])
-            rows, nvis = self._logged(stats), stats["qlog_nvis"]
-            if len(slots) == 1:  # a decode step: plain indexing, no index tensor
-                self.qlog[:, slots[0], :total], self.qlog_nvis[:, slots[0]] = rows[:, 0], nvis[:, 0]
-            else:
-                at = torch.tensor(slots, device=self.device)
-                self.qlog[:, at, :total], self.qlog_nvis[:, at] = rows, nvis
+        if self.log is not None and "qlog" in stats:
+            self.log.append(self._logged(stats), stats["qlog_nvis"], self.log_slot[:, :total])
         self.length = total
 
     def state(self) -> TokenState:
         n = self.length
         positions = self.positions[:, :n]
-        stats = {k: v[:, :n] for k, v in self.stats.items()} | self._derived_stats(positions)
-        if self.qlog is not None:
-            stats["qlog"], stats["qlog_nvis"] = self.qlog[:, :, :n], self.qlog_nvis
+        eager = {k: v[:, :n] for k, v in self.stats.items()} | self._derived_stats(positions)
+        lazy, derived = {}, {}
+        if self.log is not None:
+            slots = self.log_slot[:, :n]
+            eager["qlog_nvis"] = self.log.nvis
+            lazy["qlog"] = lambda: self.log.gathered(slots)
+            derived["qlog_sum"] = self.log.sums(slots)
         return TokenState(
             positions=positions,
-            stats=stats,
+            stats=Stats(eager, lazy),
             layer_idx=self.layer_idx,
             generator=self.cache.generator,
             phase=self.cache.phase,
             load_kv=lambda: self.store.read(n),
+            derived=derived,
         )
 
     def evict_to_budget(self) -> None:
@@ -296,12 +298,12 @@ class BudgetedLayer(_LayerBase):
         if budget is None or self.length <= budget:
             return
         state = self.state()
-        keep = self.policy.select(state, budget)  # [kv_heads, budget] sorted indices
+        keep, evicted = self.policy.partition(state, budget)  # [kv_heads, budget] sorted, [kv_heads, rest]
         merged = None
         if self.policy.merge:
             mask = torch.zeros_like(state.positions, dtype=torch.bool).scatter_(1, keep, True)
             merged = merge_evicted(state.keys, state.values, self._merge_inputs(state), mask)
-        self.compact(keep)
+        self.compact(keep, evicted)
         if merged is not None:
             k_new, v_new, absorbed = merged
             idx = keep.unsqueeze(-1)
@@ -310,14 +312,17 @@ class BudgetedLayer(_LayerBase):
             self.stats["mass"][:, : keep.shape[-1]] += absorbed.gather(1, keep)
             self._write_features(0, keep.shape[-1])
 
-    def compact(self, keep: torch.Tensor) -> None:
-        """Move the kept rows of every buffer to the front, in place."""
+    def compact(self, keep: torch.Tensor, evicted: torch.Tensor) -> None:
+        """Move the kept rows of every buffer to the front, in place; the evicted entries' log slots are freed."""
         groups, k = keep.shape
         rows = self.store.flat_rows(keep)
         self.store.compact(rows, groups)
         self.positions[:, :k] = self.positions.gather(1, keep)
         if self.table is not None:
             compact_rows(self.table, rows, groups)
+        if self.log_slot is not None:
+            n = self.length
+            self.log_slot[:, :n] = self.log_slot[:, :n].gather(1, torch.cat([keep, evicted], dim=1))
         self.length = k
 
     def kept_positions(self) -> torch.Tensor:
@@ -411,6 +416,8 @@ class PooledLayer(_LayerBase):
         if self.table is not None:
             self.table[0].index_fill_(0, taken, 0.0)
             self._write_features(taken)
+        if self.log is not None:
+            self.log.clear(taken.unsqueeze(0))
         self.head_rows.scatter_(1, self.lengths.unsqueeze(1) + torch.arange(q, device=self.device), new_rows)
         lengths_before = self.lengths
         self.lengths = self.lengths + q
@@ -448,6 +455,8 @@ class PooledLayer(_LayerBase):
             self.lengths.zero_()
             self.free = torch.arange(self.store.k.shape[2], device=self.device)
             self.head_of.fill_(self.heads)
+        if self.log is not None:
+            self.log.reset()
 
     def max_head_length(self) -> int:
         return self.longest
@@ -479,18 +488,15 @@ class PooledLayer(_LayerBase):
                 if name == "last":
                     column.zero_()
                 column.index_add_(0, rows, value.reshape(-1))
-        if self.qlog is not None and "qlog" in stats:
-            r = stats["qlog"].shape[1]
-            slots = self._ring_slots(r)
+        if self.log is not None and "qlog" in stats:
             logged = self._logged(stats)  # [H, r, entries of the step's keys]
-            self.qlog_nvis[:, slots] = stats["qlog_nvis"]
-            if pooled:
-                self.qlog[0, slots[0], : self.span] = logged[:, 0].sum(dim=0)
+            if pooled:  # the pool's rows in order: the log's slots 0..span-1
+                self.log.append(logged.sum(dim=0, keepdim=True), stats["qlog_nvis"])
                 return
-            vals = logged.permute(1, 0, 2).reshape(r, -1)  # [r, view entries]
-            for i, slot in enumerate(slots):
-                self.qlog[0, slot].zero_()
-                self.qlog[0, slot].index_add_(0, rows, vals[i])
+            r = logged.shape[1]
+            in_pool = logged.new_zeros(r, self.log.total.shape[1])
+            in_pool.index_add_(1, rows, logged.permute(1, 0, 2).reshape(r, -1))
+            self.log.append(in_pool.unsqueeze(0), stats["qlog_nvis"])
 
     def state(self) -> TokenState:
         idx, valid = self.index()
@@ -504,12 +510,11 @@ class PooledLayer(_LayerBase):
             if columns:
                 rows = self.table[0, :, :columns][idx]  # [H, L, columns]: one gather of each held entry's row
                 eager |= {name: rows[..., i] * mask for i, name in enumerate(self.stats)}
-            if self.qlog is not None:
-                # Scores read the log's sum over its rows: summed where the rows lie, then gathered; the whole
-                # log is gathered and masked only if one reads it.
-                derived["qlog_sum"] = self.table[0, : self.span, columns:].sum(dim=-1)[idx] * mask
-                lazy["qlog"] = lambda: self.table[0, :, columns:][idx].transpose(1, 2) * mask.unsqueeze(1)
-                eager["qlog_nvis"] = self.qlog_nvis
+        if self.log is not None:
+            # Scores read the log's sum over its rows; the whole log is gathered and masked only if one reads it.
+            derived["qlog_sum"] = self.log.total[0][idx] * mask
+            lazy["qlog"] = lambda: self.log.rows[0][:, idx].transpose(0, 1) * mask.unsqueeze(1)
+            eager["qlog_nvis"] = self.log.nvis
         return TokenState(
             positions=positions,
             stats=Stats(eager, lazy),
@@ -554,6 +559,8 @@ class PooledLayer(_LayerBase):
         per_row = [t[0, 0] for t in self.store.tensors()] + [self.positions[0], self.head_of]
         for t in per_row + ([self.table[0]] if self.table is not None else []):
             t[: self.rows] = t.index_select(0, held)
+        if self.log is not None:
+            self.log.move(held.unsqueeze(0))
         self.head_of[self.rows :] = self.heads
         dense = torch.arange(self.rows, device=self.device)
         self.free = torch.arange(self.rows, self.head_of.shape[0], device=self.device)

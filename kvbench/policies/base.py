@@ -291,12 +291,16 @@ class Policy:
     def select(self, state: TokenState, budget: int) -> torch.Tensor:
         """Indices to keep, [kv_heads, budget], ascending so kept tokens stay in sequence order
         (heads sharing one length: uniform allocation within the layer)."""
+        return self.partition(state, budget)[0]
+
+    def partition(self, state: TokenState, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``select``'s kept indices and the evicted ones, [kv_heads, n - budget] (in no particular order)."""
         scores = self.scored(state, budget)
         heads, n = scores.shape
         order = torch.arange(n, device=scores.device)
         if n - budget == 1:  # the decode step's usual case: one eviction per head, no sort needed
             evicted = scores.argmin(dim=-1, keepdim=True)
-            return order[:budget] + (order[:budget] >= evicted)
+            return order[:budget] + (order[:budget] >= evicted), evicted
         evicted = torch.topk(scores, n - budget, dim=-1, largest=False, sorted=False).indices
         kept = torch.ones(heads, n, dtype=torch.bool, device=scores.device).scatter_(1, evicted, False)
-        return order.expand(heads, n)[kept].view(heads, budget)
+        return order.expand(heads, n)[kept].view(heads, budget), evicted
