@@ -6,7 +6,7 @@ import math
 import torch
 
 from kvbench.policies.base import Scope, TokenState, resolve_count
-from kvbench.policies.scores import attention_deviation
+from kvbench.policies.scores import attention_variance
 
 # A layer keeps each head's tokens in sequence order (compaction preserves order, new tokens are appended),
 # so "oldest" and "newest" are slices of each head's entries. Under per-head allocation heads hold
@@ -39,8 +39,13 @@ def shield_ends(scores: torch.Tensor, first: int, last: int) -> torch.Tensor:
     (heads of one length); ``scores`` itself when there are none."""
     if first <= 0 and last <= 0:
         return scores
-    out = scores.clone()
-    out[:, : max(first, 0)] = float("inf")
+    return fill_ends(scores.clone(), first, last)
+
+
+def fill_ends(out: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """``shield_ends`` in place."""
+    if first > 0:
+        out[:, :first] = float("inf")
     if last > 0:
         out[:, -last:] = float("inf")
     return out
@@ -130,8 +135,8 @@ class Robust(Scope):
         base = first_n(state, sinks) | last_n(state, recent)
         if k == 0:
             return base
-        std = attention_deviation(state)
-        candidates = std.masked_fill(base | ~state.valid_mask(), float("-inf"))
+        spread = attention_variance(state)  # ranks as the deviation does
+        candidates = spread.masked_fill(base | ~state.valid_mask(), float("-inf"))
         idx = torch.topk(candidates, k, dim=-1, sorted=False).indices
         chosen = torch.zeros_like(base).scatter_(1, idx, True) & torch.isfinite(candidates)
         return base | chosen
@@ -146,11 +151,11 @@ class Robust(Scope):
         n = state.length
         lo = min(sinks, n)
         hi = max(lo, n - recent)
-        out = shield_ends(scores, lo, n - hi)
+        out = fill_ends(scores.clone(), lo, n - hi)
         k = min(self.std_count(budget, state.phase), state.length, hi - lo)
-        if k > 0:
-            idx = torch.topk(attention_deviation(state)[:, lo:hi], k, dim=-1, sorted=False).indices
-            out = out.scatter(1, idx + lo, float("inf"))
+        if k > 0:  # the variance ranks as the deviation does
+            idx = torch.topk(attention_variance(state)[:, lo:hi], k, dim=-1, sorted=False).indices
+            out[:, lo:hi].scatter_(1, idx, float("inf"))
         return out
 
     def min_budget(self) -> int:

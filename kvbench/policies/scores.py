@@ -53,14 +53,22 @@ def attention_std(stats: dict[str, torch.Tensor], mean: torch.Tensor) -> torch.T
     return var.sqrt()
 
 
+def clamped_count(state: TokenState) -> torch.Tensor:
+    """``count`` floored at 1 (a token no query has seen yet scores 0), computed once per state."""
+    return state.derived("count_min1", lambda s: s.stats["count"].clamp_min(1.0))
+
+
 def mean_attention(state: TokenState) -> torch.Tensor:
     """``attention_mean_std``'s mean, computed once per state."""
-    return state.derived("mean", lambda s: s.stats["acc"] / s.stats["count"].clamp_min(1.0))
+    return state.derived("mean", lambda s: s.stats["acc"] / clamped_count(s))
 
 
-def attention_deviation(state: TokenState) -> torch.Tensor:
-    """``attention_mean_std``'s standard deviation, computed once per state (on the shared mean)."""
-    return state.derived("std", lambda s: attention_std(s.stats, mean_attention(s)))
+def attention_variance(state: TokenState) -> torch.Tensor:
+    """The square of ``attention_mean_std``'s deviation, computed once per state on the shared mean. It ranks
+    tokens as the deviation does (the square root is increasing), so ranking needs no root: E[a²] - mean²,
+    which rounding may leave a hair below 0 for a token of (near) constant attention."""
+    return state.derived("var", lambda s: torch.addcmul(s.stats["sumsq"] / clamped_count(s), mean_attention(s),
+                                                        mean_attention(s), value=-1.0))
 
 
 def logged_sum(state: TokenState) -> torch.Tensor:
@@ -111,8 +119,8 @@ class Hits(Score):
         self.threshold = float(threshold)
 
     def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
-        bar = self.threshold / nvis.clamp_min(1.0)
-        return ((probs >= bar.unsqueeze(-1)) & (probs > 0)).to(torch.float32)
+        bar = self.threshold / nvis.clamp_min(1.0)  # > 0, so a key a query did not see (0) never hits
+        return (probs >= bar.unsqueeze(-1)).to(torch.float32)
 
     def __call__(self, state: TokenState) -> torch.Tensor:
         return logged_sum(state)
