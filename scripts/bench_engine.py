@@ -9,8 +9,9 @@ decode speed as a fraction of the memory-bandwidth floor (weight bytes per token
 After a warm-up: the overhead comparison takes the median of ``--overhead-repeats`` whole runs of each,
 transformers' and kvbench's alternating. Every other decode figure compares runs step by step: each of the
 compared runs encodes its prompt, then they decode one token each in turn (the order rotating every step),
-so that a slow spell of a shared machine lands on all of them alike; a figure is the median of a run's
-``--new-tokens`` steps over ``--repeats`` such rounds. CPU here, CUDA when present.
+so that a slow spell of a shared machine lands on all of them alike (the growth table interleaves every
+policy at every context in one set); a figure is the median of a run's ``--new-tokens`` steps over
+``--repeats`` such rounds. CPU here, CUDA when present.
 """
 from __future__ import annotations
 
@@ -101,18 +102,18 @@ def kvbench_times(lm: LoadedModel, ids: list[int], name: str, budget: float | in
     return g.prefill_s, statistics.median(g.decode_latencies_s)
 
 
-def interleaved_step_ms(lm: LoadedModel, ids: list[int], runs: dict[str, tuple[str, float | int, str]],
-                        args: argparse.Namespace) -> dict[str, float]:
-    """Per label (label -> (policy, budget, stage)), the median decode step in ms. In each of ``--repeats``
-    rounds every run encodes the prompt, then the runs decode one token each in turn, the order rotating every
-    step: what a disturbance of the machine costs, it costs every run alike."""
+def interleaved_step_ms(lm: LoadedModel, runs: dict[Any, tuple[str, float | int, str, list[int]]],
+                        args: argparse.Namespace) -> dict[Any, float]:
+    """Per label (label -> (policy, budget, stage, prompt ids)), the median decode step in ms. In each of
+    ``--repeats`` rounds every run encodes its prompt, then the runs decode one token each in turn, the order
+    rotating every step: what a disturbance of the machine costs, it costs every run alike."""
     lm.model.generation_config.eos_token_id = None  # with no tokenizer either: exactly new_tokens every run
-    steps: dict[str, list[float]] = {label: [] for label in runs}
+    steps: dict[Any, list[float]] = {label: [] for label in runs}
     settings = DecodeSettings(max_new_tokens=args.new_tokens)
     with kvbench_attention_enabled(lm.model):  # held across the interleaved generations
         for _ in range(args.repeats):
             live = {}
-            for label, (name, budget, stage) in runs.items():
+            for label, (name, budget, stage, ids) in runs.items():
                 live[label] = generation(lm.model, None, ids, policy(name), budget, stage, settings, stride=args.stride)
                 next(live[label])  # the prompt
             for step in itertools.count():
@@ -233,24 +234,26 @@ def main() -> None:
     }
     print("overhead:", json.dumps(report["overhead"], indent=1))
 
+    # Every policy at every context in one interleaved set: a slow spell cannot pass for growth with context.
     growth_names = ["full"] + available(["window", "h2o", "roco"])
     growth: dict[str, dict[int, float]] = {name: {} for name in growth_names}
-    for n in args.contexts:
-        runs = {name: (name, 1.0, "prefill") if name == "full" else (name, args.budget, "both") for name in growth_names}
-        for name, ms in interleaved_step_ms(lm, prompt_ids(lm, n), runs, args).items():
-            growth[name][n] = ms
-            print(f"decode {name:>12} @ {n:>5}: {ms:.2f} ms/token")
+    runs = {(name, n): (name, 1.0, "prefill", prompt_ids(lm, n)) if name == "full"
+            else (name, args.budget, "both", prompt_ids(lm, n)) for name in growth_names for n in args.contexts}
+    for (name, n), ms in interleaved_step_ms(lm, runs, args).items():
+        growth[name][n] = ms
+        print(f"decode {name:>12} @ {n:>5}: {ms:.2f} ms/token")
     report["growth_ms"] = growth
 
     ctx = prompt_ids(lm, args.policy_context)
     names = ["window"] + available(STATISTICS_POLICIES + ["streamingllm", "random", "knorm", "pyramidkv", "adakv"])
-    runs = {"full": ("full", 1.0, "prefill")} | {name: (name, args.budget * 2, "both") for name in dict.fromkeys(names)}
+    runs = {"full": ("full", 1.0, "prefill", ctx)} | {name: (name, args.budget * 2, "both", ctx)
+                                                      for name in dict.fromkeys(names)}
     # Policies that only compress the prompt as published (SnapKV's observation window and its family):
     # also their decode steps in that use, holding the compressed prompt plus the new tokens, against
     # window in the same use.
-    runs |= {f"{name} (prefill)": (name, args.budget * 2, "prefill")
+    runs |= {f"{name} (prefill)": (name, args.budget * 2, "prefill", ctx)
              for name in ["window"] + available(["snapkv", "pyramidkv", "adakv"])}
-    per_policy = interleaved_step_ms(lm, ctx, runs, args)
+    per_policy = interleaved_step_ms(lm, runs, args)
     report["policy_ms"] = per_policy
     report["policy_vs_window"] = {k: v / per_policy[baseline(k)] for k, v in per_policy.items()}
     for k, v in per_policy.items():

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvbench.engine.query_log import QueryLog
 from kvbench.policies.base import Policy, Stats, TokenState
 from kvbench.policies.merge import merge_evicted
 from kvbench.policies.positions import Rotary, find_rotary
 from kvbench.policies.quantize import Quantizer
-from kvbench.engine.query_log import QueryLog
 
 # Per-token statistics a layer accumulates; each is a column of the token table, seen as [kv_heads, capacity]
 # ("mass": attention mass merged into an entry). Scores reading a query log also get ``qlog`` [kv_heads,
