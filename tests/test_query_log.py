@@ -1,6 +1,6 @@
-"""The query log under eviction: a uniform layer's log lives in slots that entries keep while held, with a
-running sum. Checked against a reference that follows each entry by its position, through a prompt chunk,
-many decode steps that each evict, and several wraps of the ring."""
+"""The query log under eviction: entries keep a slot while held (a uniform layer's slot ids, a pooled layer's
+rows), and the log keeps a running sum. Checked against a reference that follows each entry by its position,
+through prompt chunks, many decode steps that each evict, and several wraps of the ring."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -10,6 +10,7 @@ import torch
 
 from kvbench.engine.cache import BudgetedCache, LayerPlan
 from kvbench.engine.query_log import QueryLog
+from kvbench.policies.allocation import Adaptive
 from kvbench.policies.base import Policy
 from kvbench.policies.scopes import Everything
 from kvbench.policies.scores import ObservationWindow
@@ -51,6 +52,47 @@ def test_running_sum_follows_entries_through_evictions(kernel):
             torch.testing.assert_close(state.derived("qlog_sum", None)[h], torch.tensor(expected))
         torch.testing.assert_close(state.stats["qlog"].sum(dim=1), state.derived("qlog_sum", None))
     assert layer.length == BUDGET and fed > 2 * BUDGET  # entries were evicted all along
+
+
+def test_pooled_log_follows_entries_through_evictions():
+    """Ada-KV's pool: freed rows are handed to new entries of any head, a prompt chunk's eviction packs the
+    pool (``make_dense``), decode steps log over the pool's rows, prompt chunks over a padded per-head view."""
+    g = torch.Generator().manual_seed(1)
+    policy = Policy("ada", ObservationWindow(window=HISTORY, kernel_size=1), Everything(), allocation=Adaptive(floor=0.0))
+    cache = BudgetedCache([LayerPlan(BUDGET, 12)], policy)
+    layer = cache.layers[0]
+    refs = [defaultdict(list) for _ in range(HEADS)]
+    step, fed = 0, 0
+    for q in [6, 6] + [1] * 23:
+        cache.begin_step(torch.arange(fed, fed + q), evicting=True, phase="prefill" if q > 1 else "decode")
+        keys, _ = layer.update(torch.randn(1, HEADS, q, DIM, generator=g), torch.randn(1, HEADS, q, DIM, generator=g))
+        r = min(q, HISTORY)
+        if layer.view_index is None:  # a decode step: one row per pool row, non-zero only in the row's own head
+            owner, rows_pos = layer.head_of[: keys.shape[2]], layer.positions[0, : keys.shape[2]]
+            visible = owner.unsqueeze(0) == torch.arange(HEADS).unsqueeze(1)  # [H, span]
+            view_pos = rows_pos.expand(HEADS, -1)
+        else:  # a prompt chunk: each head's past (padded) then its new rows
+            past = keys.shape[2] - q
+            visible = torch.ones(HEADS, keys.shape[2], dtype=torch.bool)
+            if layer.visible_past is not None:
+                visible[:, :past] = layer.visible_past
+            view_pos = layer.positions[0][layer.view_index]
+        rows = torch.rand(HEADS, r, keys.shape[2], generator=g) * visible.unsqueeze(1)
+        if layer.view_index is not None:
+            for i in range(r):  # causal within the chunk
+                rows[:, i, keys.shape[2] - r + i + 1 :] = 0.0
+        for h in range(HEADS):
+            for i in range(r):
+                for j in visible[h].nonzero().flatten().tolist():
+                    refs[h][int(view_pos[h, j])].append((step + i, float(rows[h, i, j])))
+        cache.after_attention(0, q, {"qlog": rows, "qlog_nvis": torch.full((HEADS, r), 1.0)})
+        step, fed = step + r, fed + q
+        state = layer.state()
+        for h, n in enumerate(layer.head_lengths()):
+            expected = reference_sums(refs[h], step - 1, state.positions[h, :n].tolist())
+            torch.testing.assert_close(state.derived("qlog_sum", None)[h, :n], torch.tensor(expected))
+    lengths = layer.head_lengths()
+    assert sum(lengths) == HEADS * BUDGET and len(set(lengths)) > 1 and fed > 2 * BUDGET
 
 
 def test_the_running_sum_is_rebuilt_when_the_ring_wraps():
