@@ -6,8 +6,9 @@ per layer: causal inside the new chunk, every kept past entry visible (except wh
 statistics the policy asks for are computed, a block of queries at a time, so no n×n matrix is ever
 held; a policy that needs none (window, key norm, random) pays nothing. A decode step (one query) of a
 policy that needs them computes its probabilities once and takes both the output and the statistics from
-them, as an implementation of such a policy would; a per-head-allocated layer's decode step attends over
-its pool of (head, token) rows in place. Once no later step will evict, no statistics are computed. Once the
+them, as an implementation of such a policy would (a stacked cache's layers each leave their row for one
+fold of every layer's); a per-head-allocated layer's decode step attends over its pool of (head, token) rows
+in place. Once no later step will evict, no statistics are computed. Once the
 output exists the cache folds the statistics in and evicts: the step's own queries count.
 """
 from __future__ import annotations
@@ -93,11 +94,13 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                     visible_past: torch.Tensor | None, needs: frozenset[str],
-                     history: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     visible_past: torch.Tensor | None, needs: frozenset[str], history: int = 0,
+                     staged: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One query that sees every held entry (but what ``visible_past`` hides): the attention output, in the
     layout transformers' attention functions return ([1, 1, heads, Dv]), and the statistics of
-    ``attention_statistics`` for that query, both from one set of probabilities (float32)."""
+    ``attention_statistics`` for that query, both from one set of probabilities (float32). With ``staged``
+    [kv_heads, n] (a stacked cache's row for this layer), the query's GQA-mean row is written there instead and
+    is the only statistic returned (``staged_row``): the cache folds every layer's at once."""
     _, hq, _, dim = query.shape
     hkv, n = key.shape[1], key.shape[2]
     group = hq // hkv
@@ -109,6 +112,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
     probs = logits.softmax(dim=-1)
     output = torch.matmul(probs, value[0].to(torch.float32)).to(query.dtype).reshape(1, 1, hq, -1)
+    if staged is not None:
+        return output, {"staged_row": torch.mean(probs, dim=1, out=staged)}
     return output, _decode_statistics(probs, visible, needs, history)
 
 
@@ -169,7 +174,9 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return output, None
     collecting = bool(needs & ATTENTION_STATS)
     if q == 1 and collecting:
-        output, stats = decode_attention(query, key, value, scaling, layer.visible_past, needs, policy.history)
+        staged = cache.staged_row(module.layer_idx, n) if cache.staging else None
+        output, stats = decode_attention(query, key, value, scaling, layer.visible_past, needs, policy.history,
+                                         staged)
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
     mask = None

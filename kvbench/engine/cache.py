@@ -25,6 +25,7 @@ entry keeps while held, so that compaction moves only the slot ids, not ``histor
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ from kvbench.policies.quantize import Quantizer
 # ``qlog_nvis`` [kv_heads, history]. ``count`` (queries that saw an entry) is not stored: every query fed
 # after an entry sees it, so it is the number of tokens fed minus the entry's position.
 STAT_NAMES = ("acc", "sumsq", "last", "mass")
+# Most bytes a compaction copies at once (see compact_rows).
+COMPACT_BLOCK_BYTES = 1 << 23
 
 
 @dataclass
@@ -69,6 +72,14 @@ class KVStore:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    def groups(self, lo: int, hi: int) -> "KVStore":
+        """Groups ``lo:hi`` as a store of their own, sharing these buffers."""
+        part = copy.copy(self)
+        part.k, part.v = self.k[:, lo:hi], self.v[:, lo:hi]
+        if self.quantizer is not None:
+            part.k_scale, part.v_scale = self.k_scale[:, lo:hi], self.v_scale[:, lo:hi]
+        return part
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows ``start ...`` of every group: k [G, q, D]."""
@@ -131,9 +142,14 @@ class KVStore:
 def compact_rows(t: torch.Tensor, rows: torch.Tensor, groups: int) -> None:
     """t [G, capacity, X] (contiguous): move ``rows`` of the flattened [G * capacity, X] view to the front of
     every group, ``len(rows) / G`` each, in place. A row copy per kept token: several times faster than a
-    ``gather`` with an index expanded over X."""
-    k = rows.shape[0] // groups
-    t[:, :k] = t.reshape(-1, t.shape[-1]).index_select(0, rows).view(groups, k, t.shape[-1])
+    ``gather`` with an index expanded over X. The rows go through a copy of at most ``COMPACT_BLOCK_BYTES``
+    at a time (a stack of every layer's buffers would otherwise need one as large as the cache)."""
+    k, width = rows.shape[0] // groups, t.shape[-1]
+    flat = t.reshape(-1, width)
+    block = max(1, COMPACT_BLOCK_BYTES // max(1, k * width * t.element_size()))
+    for lo in range(0, groups, block):
+        hi = min(groups, lo + block)
+        t[lo:hi, :k] = flat.index_select(0, rows[lo * k : hi * k]).view(hi - lo, k, width)
 
 
 class _LayerBase(CacheLayerMixin):
@@ -160,7 +176,10 @@ class _LayerBase(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.plan.capacity
 
-    def _init_store(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int, rows: int) -> None:
+    def _init_store(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int, rows: int,
+                    kv_heads: int | None = None) -> None:
+        """Buffers of ``groups`` × ``rows`` entries shaped like ``key_states`` / ``value_states`` [1, H, q, D];
+        ``kv_heads`` (default H) rows of query-log visibility counts."""
         if key_states.shape[0] != 1:
             raise ValueError("BudgetedCache runs one sequence at a time (batch size 1)")
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -173,7 +192,7 @@ class _LayerBase(CacheLayerMixin):
             self.table = torch.zeros(groups, rows, len(columns), dtype=torch.float32, device=self.device)
         self.stats = {name: self.table[:, :, i] for i, name in enumerate(columns)}
         if "qlog" in self.policy.needs and self.policy.history:
-            self.log = QueryLog(groups, rows, self.policy.history, key_states.shape[1], self.device)
+            self.log = QueryLog(groups, rows, self.policy.history, kv_heads or key_states.shape[1], self.device)
         self.is_initialized = True
 
     def _logged(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -205,6 +224,9 @@ class BudgetedLayer(_LayerBase):
     owns slot ``log_slot[h, j]`` for j < ``length``, the rest are free. Compaction permutes it (kept entries
     first, the evicted ones' slots freed behind them)."""
 
+    # How many decoder layers' heads the rows hold (see LayerStack).
+    stacked_layers = 1
+
     def __init__(self, layer_idx: int, plan: LayerPlan, policy: Policy, cache: "BudgetedCache"):
         super().__init__(layer_idx, plan, policy, cache)
         self.length = 0
@@ -212,10 +234,17 @@ class BudgetedLayer(_LayerBase):
 
     # -- transformers' layer contract ------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        groups, capacity = key_states.shape[1], self.plan.capacity
-        self._init_store(key_states, value_states, groups, capacity)
+        stack = self.cache.stack
+        if stack is not None:
+            if stack.adopt(self, key_states, value_states):
+                return
+            self.cache.unstack()
+        self._allocate(key_states, value_states, key_states.shape[1])
+
+    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int) -> None:
+        self._init_store(key_states, value_states, groups, self.plan.capacity, kv_heads=groups)
         if self.log is not None:
-            self.log_slot = torch.arange(capacity, device=self.device).repeat(groups, 1)
+            self.log_slot = torch.arange(self.plan.capacity, device=self.device).repeat(groups, 1)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -291,6 +320,7 @@ class BudgetedLayer(_LayerBase):
             phase=self.cache.phase,
             load_kv=lambda: self.store.read(n),
             derived=derived,
+            layers=self.stacked_layers,
         )
 
     def evict_to_budget(self) -> None:
@@ -338,6 +368,81 @@ class BudgetedLayer(_LayerBase):
 
     def capacity_bytes(self) -> int:
         return self.store.capacity_bytes() if self.is_initialized else 0
+
+
+class LayerStack(BudgetedLayer):
+    """Every layer of a uniform cache at once: their buffers are slices of one set of buffers, layer l's heads
+    being rows ``l·H : (l+1)·H``, so that one eviction (one scoring, one ranking, one compaction) serves all the
+    layers of a step instead of one per layer. In eager mode a decode step's eviction is dozens of small ops,
+    each paying a fixed dispatch cost; stacked, a model with L layers pays it once instead of L times.
+
+    Scores and scopes rank each row on its own (parts that mix the heads of a layer read
+    ``TokenState.layers``), so the kept sets are those of evicting layer by layer. A layer can wait to be
+    evicted until the step's last layer has attended: its cache is not read again before the next step."""
+
+    def __init__(self, plan: LayerPlan, policy: Policy, cache: "BudgetedCache", layers: int):
+        super().__init__(-1, plan, policy, cache)
+        self.stacked_layers = layers
+        self.layout: tuple | None = None
+
+    def adopt(self, layer: BudgetedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Make ``layer``'s buffers its slice of the stack's, allocating the stack for the first layer. False
+        where its shapes differ from the first layer's: the layers then cannot share one eviction."""
+        heads = key_states.shape[1]
+        layout = (heads, key_states.shape[-1], value_states.shape[-1], key_states.dtype, key_states.device)
+        if self.layout is None:
+            self.layout = layout
+            self._allocate(key_states, value_states, heads * self.stacked_layers)
+            if self.policy.needs_attention:
+                self.step_rows = torch.zeros(heads * self.stacked_layers, self.plan.capacity, device=self.device)
+        elif layout != self.layout:
+            return False
+        lo, hi = layer.layer_idx * heads, (layer.layer_idx + 1) * heads
+        layer.device, layer.dtype = self.device, self.dtype
+        layer.store = self.store.groups(lo, hi)
+        layer.keys, layer.values = layer.store.k, layer.store.v
+        layer.positions = self.positions[lo:hi]
+        if self.table is not None:
+            layer.table = self.table[lo:hi]
+            layer.stats = {name: layer.table[:, :, i] for i, name in enumerate(self.stats)}
+        if self.log is not None:
+            layer.log = self.log.groups(lo, hi)
+            layer.log_slot = self.log_slot[lo:hi]
+        layer.is_initialized = True
+        return True
+
+    def staged_row(self, layer_idx: int, n: int) -> torch.Tensor:
+        """Where layer ``layer_idx``'s decode step leaves its attention row over its ``n`` entries."""
+        heads = self.layout[0]
+        return self.step_rows[layer_idx * heads : (layer_idx + 1) * heads, :n]
+
+    def fold_staged(self, layers: list[BudgetedLayer]) -> None:
+        """Fold the step's staged rows (one decode query per layer, seeing every held entry) into every layer's
+        statistics and query log at once, as each layer's ``observe`` would have."""
+        n = layers[0].length  # the layers have counted the new token
+        rows = self.step_rows[:, :n]
+        if "acc" in self.stats:
+            self.stats["acc"][:, :n] += rows
+        if "sumsq" in self.stats:
+            self.stats["sumsq"][:, :n] += rows.square()
+        if "last" in self.stats:
+            self.stats["last"][:, :n] = rows
+        if self.log is not None:
+            nvis = torch.full((rows.shape[0], 1), float(n), device=self.device)
+            self.log.next = layers[0].log.next
+            self.log.append(self.policy.score.log_rows(rows.unsqueeze(1), nvis), nvis, self.log_slot[:, :n])
+            for layer in layers:
+                layer.log.next = self.log.next
+
+    def evict_layers(self, layers: list[BudgetedLayer]) -> None:
+        """Evict every layer to the budget in one go (they hold the same count: they were fed the same tokens)."""
+        lengths = {layer.length for layer in layers}
+        if len(lengths) != 1:
+            raise RuntimeError(f"stacked layers hold different counts {sorted(lengths)}; they must be fed alike")
+        self.length = lengths.pop()
+        self.evict_to_budget()
+        for layer in layers:
+            layer.length = self.length
 
 
 class PooledLayer(_LayerBase):
@@ -597,6 +702,14 @@ class PooledLayer(_LayerBase):
         return self.store.capacity_bytes() if self.is_initialized else 0
 
 
+def stackable(plans: list[LayerPlan], policy: Policy) -> bool:
+    """Whether one eviction can serve every layer: several layers, all with one evicting plan, uniform allocation
+    (every head of every layer holds the same count). Merging is left per layer: it works on float32 copies of the
+    evicted layer's keys and values, which for every layer at once would be a prompt-sized transient."""
+    return (len(plans) > 1 and policy.evicts and not policy.allocation.per_head and not policy.merge
+            and plans[0].budget is not None and all(plan == plans[0] for plan in plans))
+
+
 @dataclass
 class CacheStats:
     kept_per_layer: list[float] = field(default_factory=list)
@@ -618,6 +731,7 @@ class BudgetedCache(Cache):
         self.seen = 0
         self.evicting = False
         self.collecting = True
+        self.staging = False
         self.phase = "prefill"
         self.rotary: Rotary | None = None
         if policy.positions == "reindex":
@@ -626,6 +740,7 @@ class BudgetedCache(Cache):
             self.rotary = find_rotary(model)
         layer_cls = PooledLayer if policy.allocation.per_head else BudgetedLayer
         super().__init__(layers=[layer_cls(i, plan, policy, self) for i, plan in enumerate(plans)])
+        self.stack = LayerStack(plans[0], policy, self, len(plans)) if stackable(plans, policy) else None
 
     def begin_step(self, positions: torch.Tensor, evicting: bool, phase: str = "prefill",
                    collecting: bool = True) -> torch.Tensor:
@@ -639,6 +754,11 @@ class BudgetedCache(Cache):
         self.evicting = evicting
         self.collecting = collecting or evicting
         self.phase = phase
+        # A stacked decode step whose query sees every held entry: each layer stages its attention row and the
+        # last one folds them all (masked replay hides entries per layer, so its steps fold layer by layer).
+        self.staging = (self.stack is not None and self.stack.is_initialized and positions.shape[0] == 1
+                        and self.collecting and self.policy.needs_attention
+                        and all(layer.visible_past is None for layer in self.layers))
         if self.rotary is None:
             self.step_model_positions = positions
         else:
@@ -647,12 +767,35 @@ class BudgetedCache(Cache):
         return self.step_model_positions
 
     def after_attention(self, layer_idx: int, n_new: int, stats: dict[str, torch.Tensor]) -> None:
-        """Called by the attention function once the layer's output is computed (H2O's order)."""
+        """Called by the attention function once the layer's output is computed (H2O's order). Stacked layers
+        are evicted together once the last of them has attended."""
         layer = self.layers[layer_idx]
         layer.observe(n_new, stats)
         layer.visible_past = layer.pool_bias = None
+        if self.stack is None:
+            if self.evicting:
+                layer.evict_to_budget()
+            return
+        if layer_idx == len(self.layers) - 1:
+            if self.staging:
+                self.stack.fold_staged(self.layers)
+            if self.evicting:
+                self.stack.evict_layers(self.layers)
+
+    def staged_row(self, layer_idx: int, n: int) -> torch.Tensor:
+        """Where a staging decode step's layer leaves its attention row (see LayerStack.fold_staged)."""
+        return self.stack.staged_row(layer_idx, n)
+
+    def unstack(self) -> None:
+        """Give up the shared eviction (a layer's shapes differ from the others'): the layers that have already
+        attended in this step are evicted now, each later one after its own attention. (Layers allocate in the
+        first step, which stages nothing.)"""
+        self.stack = None
+        self.staging = False
         if self.evicting:
-            layer.evict_to_budget()
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.evict_to_budget()
 
     def summary(self) -> CacheStats:
         return CacheStats(

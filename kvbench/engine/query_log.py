@@ -8,6 +8,8 @@ sum is recomputed from the rows whenever the ring wraps, so rounding never accum
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -25,6 +27,13 @@ class QueryLog:
 
     def reset(self) -> None:
         self.next = 0
+
+    def groups(self, lo: int, hi: int) -> "QueryLog":
+        """Groups ``lo:hi`` (and their ``nvis`` rows) as a log of their own, sharing these buffers."""
+        part = copy.copy(self)
+        part.rows, part.total, part.nvis = self.rows[lo:hi], self.total[lo:hi], self.nvis[lo:hi]
+        part.next = 0
+        return part
 
     def clear(self, ids: torch.Tensor) -> None:
         """Slots ``ids`` [G, q] are handed to new entries: no logged query saw them."""

@@ -56,7 +56,8 @@ class TokenState:
 
     ``phase`` is "prefill" while the prompt is being encoded and "decode" while tokens are generated.
     ``derived`` presets quantities of ``derived()`` that the layer can compute more cheaply itself, ``lengths``
-    the count per head.
+    the count per head. ``layers`` > 1 when the rows are the heads of that many decoder layers, evicted at once
+    (layer l's heads are rows l·H to (l+1)·H - 1): a part that mixes heads mixes those of one layer only.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class TokenState:
         load_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
         derived: dict[str, torch.Tensor] | None = None,
         lengths: torch.Tensor | None = None,
+        layers: int = 1,
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
@@ -86,6 +88,7 @@ class TokenState:
         self.valid = valid
         self._derived: dict[str, torch.Tensor] = dict(derived or {})
         self._lengths = lengths
+        self.layers = layers
 
     def derived(self, name: str, compute: Callable[["TokenState"], torch.Tensor]) -> torch.Tensor:
         """A quantity computed from this state once, shared by the parts that read it (RoCo's mean

@@ -229,7 +229,8 @@ class SharedAcrossHeads(Score):
         if state.valid is not None:
             raise ValueError("shared: true needs heads holding the same tokens; it cannot run with per-head allocation")
         scores = self.inner(state).to(torch.float32)
-        return scores.mean(dim=0, keepdim=True).expand_as(scores)
+        per_layer = scores.reshape(state.layers, -1, scores.shape[-1])  # a stack's layers each choose their own
+        return per_layer.mean(dim=1, keepdim=True).expand_as(per_layer).reshape(scores.shape)
 
 
 SCORES: dict[str, type[Score]] = {
