@@ -15,6 +15,9 @@ Two layer layouts:
   prompt chunk's gathers a padded [1, H, longest head + new, D] view whose padding is masked out
   (``visible_past``), transient compute workspace freed after the layer's attention, not cache memory.
 
+When every layer is a ``BudgetedLayer`` with the same plan, their buffers are slices of one ``LayerStack``
+[1, layers × H, capacity, D], which evicts all of them at once after the step's last layer has attended.
+
 Both store K/V through ``KVStore``: the model's dtype, or int8/fp8 codes with float32 per-entry scales
 (``policy.quantize``); resident bytes count the codes and the scales.
 
