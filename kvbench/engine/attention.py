@@ -174,7 +174,7 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return output, None
     collecting = bool(needs & ATTENTION_STATS)
     if q == 1 and collecting:
-        staged = cache.staged_row(module.layer_idx, n) if cache.staging else None
+        staged = cache.stack.staged_row(module.layer_idx, n) if cache.staging else None
         output, stats = decode_attention(query, key, value, scaling, layer.visible_past, needs, policy.history,
                                          staged)
         cache.after_attention(module.layer_idx, q, stats)

@@ -785,10 +785,6 @@ class BudgetedCache(Cache):
             if self.evicting:
                 self.stack.evict_layers(self.layers)
 
-    def staged_row(self, layer_idx: int, n: int) -> torch.Tensor:
-        """Where a staging decode step's layer leaves its attention row (see LayerStack.fold_staged)."""
-        return self.stack.staged_row(layer_idx, n)
-
     def unstack(self) -> None:
         """Give up the shared eviction (a layer's shapes differ from the others'): the layers that have already
         attended in this step are evicted now, each later one after its own attention. (Layers allocate in the
