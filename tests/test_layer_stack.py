@@ -8,9 +8,10 @@ import torch
 
 from kvbench.engine import cache as cache_module
 from kvbench.engine.cache import BudgetedCache, LayerPlan
+from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.policies.registry import build_policy
 
-from test_policies import CASES, named, run  # noqa: F401  (the tiny fixtures come from conftest)
-
+from test_policies import CASES, NEW, named, policy_cfg, run  # noqa: F401  (the tiny fixtures come from conftest)
 
 
 def serves(policy) -> bool:
@@ -33,11 +34,29 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def pyramid(name: str, **extra):
+    """A named policy's parts with PyramidKV's layer budgets."""
+    cfg = policy_cfg(name, **extra)
+    cfg["allocation"] = {"kind": "pyramid", "beta": 20}
+    return build_policy(cfg)
+
+
+# Layers of different budgets, each scored on its own row, under scopes that shield alike at every budget.
+RAGGED = {"pyramidkv": lambda: named("pyramidkv"),
+          "pyramidkv max pooling": lambda: named("pyramidkv", score={"pooling": "max"}),
+          "pyramidkv, no window": lambda: named("pyramidkv", scope={"window": 0}),
+          "pyramidkv int8 reindex": lambda: named("pyramidkv", quantize="int8", positions="reindex"),
+          "h2o, a window of 2": lambda: pyramid("h2o", scope={"window": 2}),
+          "scissorhands": lambda: pyramid("scissorhands"),
+          "vatp, 2 sinks": lambda: pyramid("vatp", scope={"n_sink": 2, "window": 0}),
+          "knorm": lambda: pyramid("knorm")}
+
+
 class Record:
     """Count the stacked evictions and folds the runs make."""
 
     def __init__(self, monkeypatch):
-        self.calls = {"evict_layers": 0, "fold_staged": 0}
+        self.calls = {"evict_layers": 0, "fold_staged": 0, "evict_one_each": 0}
         for name in self.calls:
             original = getattr(cache_module.LayerStack, name)
 
@@ -48,10 +67,15 @@ class Record:
             monkeypatch.setattr(cache_module.LayerStack, name, counted)
 
 
-def per_layer(tiny, ids, policy, stage, monkeypatch):
+def per_layer(tiny, ids, policy, stage, monkeypatch, stride: int | None = 8):
     with monkeypatch.context() as m:
         m.setattr(cache_module, "stackable", lambda plans, policy: False)
-        return run(tiny, ids, policy, 0.3, stage, trace=True)
+        return generate_with(tiny, ids, policy, stage, stride)
+
+
+def generate_with(tiny, ids, policy, stage, stride):
+    return generate(tiny.model, None, ids, policy, 0.3, stage, DecodeSettings(max_new_tokens=NEW), stride=stride,
+                    return_logits=True, trace=True)
 
 
 def assert_same(stacked, reference):
@@ -63,13 +87,18 @@ def assert_same(stacked, reference):
 
 
 def test_the_policies_a_stack_serves():
-    """Uniform allocation with one plan for every layer, no merging: PyramidKV (a budget per layer), Ada-KV
-    (per-head counts) and merging stay layer by layer."""
+    """Uniform allocation, no merging, and one plan for every layer or a budget per layer that every row can be
+    ranked under on its own: Ada-KV (per-head counts), merging, random draws, TOVA's layer-wide mean and scopes
+    that shield differently at different budgets stay layer by layer."""
     served = {n for n, _ in STACKED_CASES}
-    assert {"window", "h2o", "roco", "tova", "scissorhands", "snapkv", "random", "streamingllm"} <= served
-    assert not served & {"full", "pyramidkv", "adakv"}
+    assert {"window", "h2o", "roco", "tova", "scissorhands", "snapkv", "random", "streamingllm", "pyramidkv"} <= served
+    assert not served & {"full", "adakv"}
     assert not serves(named("h2o", merge=True))
-    assert not cache_module.stackable([LayerPlan(4, 8), LayerPlan(5, 8)], named("h2o"))
+    assert all(serves(make()) for make in RAGGED.values())
+    for name in ("random", "tova", "roco"):  # random draws, a layer-wide mean, a std-protected count ∝ budget
+        assert not serves(pyramid(name))
+    assert not cache_module.stackable([LayerPlan(4, 8), LayerPlan(6, 8)], named("h2o"))  # window: half the budget
+    assert cache_module.stackable([LayerPlan(4, 8), LayerPlan(6, 8)], named("h2o", scope={"window": 2}))
     assert not cache_module.stackable([LayerPlan(4, 8)], named("h2o"))
 
 
@@ -92,6 +121,25 @@ def test_stacked_eviction_equals_layer_by_layer_quantised_and_reindexed(tiny, ra
     policy = named(name, **extra)
     stacked = run(tiny, ids, policy, 0.3, "both", trace=True)
     assert_same(stacked, per_layer(tiny, ids, policy, "both", monkeypatch))
+
+
+@pytest.mark.parametrize("stride", [8, None], ids=["chunked: capacities differ", "one chunk: capacities equal"])
+@pytest.mark.parametrize("stage", ["both", "decode"])
+@pytest.mark.parametrize("variant", RAGGED)
+def test_layers_of_different_budgets_evict_together_as_layer_by_layer(tiny, random_ids, monkeypatch, variant, stage,
+                                                                       stride):
+    """PyramidKV-style budgets: every decode step in which each layer evicts one entry per head is ranked in one
+    padded batch; tokens, logits and every kept set must be those of evicting layer by layer."""
+    policy = RAGGED[variant]()
+    if stage in policy.unsupported_stages:
+        pytest.skip(f"{variant} does not run in stage {stage}")
+    ids = random_ids(48, seed=34)
+    record = Record(monkeypatch)
+    stacked = generate_with(tiny, ids, policy, stage, stride)
+    assert record.calls["evict_one_each"] > 0
+    if policy.needs_attention:
+        assert record.calls["fold_staged"] > 0
+    assert_same(stacked, per_layer(tiny, ids, policy, stage, monkeypatch, stride))
 
 
 def test_compaction_in_blocks_equals_one_block(tiny, random_ids, monkeypatch):
@@ -140,3 +188,26 @@ def test_layers_of_different_shapes_fall_back_to_layer_by_layer(monkeypatch):
         for a, r in zip(a_step, r_step, strict=True):
             assert torch.equal(a, r)
             assert a.shape[-1] == 4
+
+
+def test_a_padded_state_holds_each_layer_and_nothing_past_it():
+    """Layers of different budgets, ranked padded to the longest: each row's own entries are its layer's state,
+    and past them every statistic reads exactly 0 and every position 0 (what was evicted there must not leak)."""
+    budgets = (3, 4, 5, 6)
+    cache = BudgetedCache([LayerPlan(budget=b, capacity=12) for b in budgets],
+                          named("mean_window", scope={"window": 2}))
+    torch.manual_seed(0)
+    feed(cache, [2] * len(budgets), 4)
+    lengths = tuple(layer.length for layer in cache.layers)
+    assert lengths == budgets
+    held, _, valid, _ = cache.stack.rows(lengths)
+    state = cache.stack.padded_state(max(lengths), held, valid)
+    assert state.lengths().tolist() == [3, 3, 4, 4, 5, 5, 6, 6]
+    for l, layer in enumerate(cache.layers):
+        own, rows, n = layer.state(), slice(2 * l, 2 * l + 2), layer.length
+        assert torch.equal(state.positions[rows, :n], own.positions)
+        assert torch.equal(state.stats["acc"][rows, :n], own.stats["acc"])
+        assert torch.equal(state.stats["count"][rows, :n], own.stats["count"])
+        assert not state.positions[rows, n:].any()
+        assert not state.stats["acc"][rows, n:].any() and not state.stats["count"][rows, n:].any()
+        assert layer.positions[:, n:].any() and layer.stats["acc"][:, n:].any()  # there was something to hide

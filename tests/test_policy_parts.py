@@ -94,7 +94,7 @@ from kvbench.policies.merge import merge_evicted  # noqa: E402
 from kvbench.policies.scopes import Robust, last_n  # noqa: E402
 from kvbench.policies.scores import (  # noqa: E402
     Accumulated, Hits, KeyNorm, LastQuery, MeanAttention, ObservationWindow, SharedAcrossHeads, ValueAware,
-    attention_mean_std,
+    attention_mean_std, pool_neighbours,
 )
 
 RNG = np.random.default_rng(7)
@@ -176,6 +176,18 @@ def test_snapkv_pooling_brings_neighbours():
     s = TokenState(positions=torch.arange(8).view(1, 8), stats={"qlog": obs.view(1, 1, 8), "qlog_nvis": torch.ones(1, 1)})
     assert Policy("s", ObservationWindow(window=1, kernel_size=3), Everything()).select(s, 3).tolist() == [[2, 3, 4]]
     assert Policy("s", ObservationWindow(window=1, kernel_size=1), Everything()).select(s, 3).tolist() == [[3, 5, 7]]
+
+
+@pytest.mark.parametrize("kernel", [3, 5, 7])
+@pytest.mark.parametrize("n", [1, 2, 4, 9, 300])
+def test_snapkv_pooling_is_bit_for_bit_torch_pooling(n, kernel):
+    """The shifted-add pooling computes exactly what SnapKV's avg_pool1d / max_pool1d do (zero padding counted)."""
+    x = torch.rand(3, n, generator=torch.Generator().manual_seed(n + kernel)) * torch.tensor([[1.0], [1e-3], [7.0]])
+    pad = kernel // 2
+    avg = torch.nn.functional.avg_pool1d(x.unsqueeze(1), kernel, stride=1, padding=pad, count_include_pad=True)
+    high = torch.nn.functional.max_pool1d(x.unsqueeze(1), kernel, stride=1, padding=pad)
+    assert torch.equal(pool_neighbours(x, kernel, "avg"), avg.squeeze(1))
+    assert torch.equal(pool_neighbours(x, kernel, "max"), high.squeeze(1))
 
 
 def np_attention_history(n_queries: int, n: int, seed: int) -> np.ndarray:

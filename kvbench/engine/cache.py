@@ -127,7 +127,7 @@ class KVStore:
 
     def flat_rows(self, keep: torch.Tensor) -> torch.Tensor:
         """Rows ``keep`` [G, k] of every group as indices into the flattened [G * capacity] rows."""
-        return (keep + torch.arange(keep.shape[0], device=keep.device).unsqueeze(1) * self.k.shape[2]).reshape(-1)
+        return flat_rows(keep, self.k.shape[2])
 
     def compact(self, rows: torch.Tensor, groups: int) -> None:
         """Move ``rows`` (``flat_rows``) to the front of every group, in place."""
@@ -140,6 +140,11 @@ class KVStore:
 
     def capacity_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def flat_rows(keep: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Entries ``keep`` [G, k] of buffers [G, capacity, ...] as indices into their flattened [G * capacity] rows."""
+    return (keep + torch.arange(keep.shape[0], device=keep.device).unsqueeze(1) * capacity).reshape(-1)
 
 
 def compact_rows(t: torch.Tensor, rows: torch.Tensor, groups: int) -> None:
@@ -180,15 +185,15 @@ class _LayerBase(CacheLayerMixin):
         return self.plan.capacity
 
     def _init_store(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int, rows: int,
-                    kv_heads: int | None = None) -> None:
+                    kv_heads: int | None = None, kv: bool = True) -> None:
         """Buffers of ``groups`` × ``rows`` entries shaped like ``key_states`` / ``value_states`` [1, H, q, D];
-        ``kv_heads`` (default H) rows of query-log visibility counts."""
+        ``kv_heads`` (default H) rows of query-log visibility counts. ``kv=False``: the per-entry bookkeeping
+        only, no K/V store."""
         if key_states.shape[0] != 1:
             raise ValueError("BudgetedCache runs one sequence at a time (batch size 1)")
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.store = KVStore(groups, rows, key_states.shape[-1], value_states.shape[-1], key_states.dtype,
-                             self.device, self.policy.quantize)
-        self.keys, self.values = self.store.k, self.store.v
+        if kv:
+            self._init_kv(key_states, value_states, groups, rows)
         self.positions = torch.zeros(groups, rows, dtype=torch.long, device=self.device)
         columns = sorted(n for n in self.policy.needs if n in STAT_NAMES) + sorted(self.policy.feature_names)
         if columns:
@@ -197,6 +202,11 @@ class _LayerBase(CacheLayerMixin):
         if "qlog" in self.policy.needs and self.policy.history:
             self.log = QueryLog(groups, rows, self.policy.history, kv_heads or key_states.shape[1], self.device)
         self.is_initialized = True
+
+    def _init_kv(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int, rows: int) -> None:
+        self.store = KVStore(groups, rows, key_states.shape[-1], value_states.shape[-1], key_states.dtype,
+                             self.device, self.policy.quantize)
+        self.keys, self.values = self.store.k, self.store.v
 
     def _logged(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
         """The step's query-log rows as the score keeps them (e.g. ScissorHands' hit indicators)."""
@@ -242,12 +252,9 @@ class BudgetedLayer(_LayerBase):
             if stack.adopt(self, key_states, value_states):
                 return
             self.cache.unstack()
-        self._allocate(key_states, value_states, key_states.shape[1])
-
-    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int) -> None:
-        self._init_store(key_states, value_states, groups, self.plan.capacity, kv_heads=groups)
+        self._init_store(key_states, value_states, key_states.shape[1], self.plan.capacity)
         if self.log is not None:
-            self.log_slot = torch.arange(self.plan.capacity, device=self.device).repeat(groups, 1)
+            self.log_slot = torch.arange(self.plan.capacity, device=self.device).repeat(key_states.shape[1], 1)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -351,8 +358,9 @@ class BudgetedLayer(_LayerBase):
         rows = self.store.flat_rows(keep)
         self.store.compact(rows, groups)
         self.positions[:, :k] = self.positions.gather(1, keep)
-        if self.table is not None:
-            compact_rows(self.table, rows, groups)
+        if self.table is not None:  # a view of a stack may be longer than the layer's own K/V
+            capacity = self.table.shape[1]
+            compact_rows(self.table, rows if capacity == self.store.k.shape[2] else flat_rows(keep, capacity), groups)
         if self.log_slot is not None:
             n = self.length
             self.log_slot[:, :n] = self.log_slot[:, :n].gather(1, torch.cat([keep, evicted], dim=1))
@@ -374,19 +382,28 @@ class BudgetedLayer(_LayerBase):
 
 
 class LayerStack(BudgetedLayer):
-    """Every layer of a uniform cache at once: their buffers are slices of one set of buffers, layer l's heads
-    being rows ``l·H : (l+1)·H``, so that one eviction (one scoring, one ranking, one compaction) serves all the
-    layers of a step instead of one per layer. In eager mode a decode step's eviction is dozens of small ops,
+    """Every layer of a uniform cache at once: their per-entry buffers are slices of one set of buffers, layer l's
+    heads being rows ``l·H : (l+1)·H``, so that one eviction (one scoring, one ranking, one compaction) serves all
+    the layers of a step instead of one per layer. In eager mode a decode step's eviction is dozens of small ops,
     each paying a fixed dispatch cost; stacked, a model with L layers pays it once instead of L times.
+
+    Layers of one plan share K/V as well. Layers of different budgets (PyramidKV) keep their own K/V, each of its
+    own capacity; only the bookkeeping (positions, statistics, query log) is stacked, at the largest capacity, and
+    rows of different lengths are ranked padded to the longest. They are evicted together in the steps where each
+    of them evicts exactly one entry per head (every decode step once the budgets are full), where padding cannot
+    change which entry is the least; the other steps (prompt chunks) evict layer by layer.
 
     Scores and scopes rank each row on its own (parts that mix the heads of a layer read
     ``TokenState.layers``), so the kept sets are those of evicting layer by layer. A layer can wait to be
     evicted until the step's last layer has attended: its cache is not read again before the next step."""
 
-    def __init__(self, plan: LayerPlan, policy: Policy, cache: "BudgetedCache", layers: int):
-        super().__init__(-1, plan, policy, cache)
-        self.stacked_layers = layers
+    def __init__(self, plans: list[LayerPlan], policy: Policy, cache: "BudgetedCache"):
+        super().__init__(-1, LayerPlan(plans[0].budget, max(plan.capacity for plan in plans)), policy, cache)
+        self.plans = plans
+        self.stacked_layers = len(plans)
+        self.shares_kv = all(plan == plans[0] for plan in plans)
         self.layout: tuple | None = None
+        self._rows: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
 
     def adopt(self, layer: BudgetedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Make ``layer``'s buffers its slice of the stack's, allocating the stack for the first layer. False
@@ -395,15 +412,22 @@ class LayerStack(BudgetedLayer):
         layout = (heads, key_states.shape[-1], value_states.shape[-1], key_states.dtype, key_states.device)
         if self.layout is None:
             self.layout = layout
-            self._allocate(key_states, value_states, heads * self.stacked_layers)
+            groups = heads * self.stacked_layers
+            self._init_store(key_states, value_states, groups, self.plan.capacity, kv_heads=groups,
+                             kv=self.shares_kv)
+            if self.log is not None:
+                self.log_slot = torch.arange(self.plan.capacity, device=self.device).repeat(groups, 1)
             if self.policy.needs_attention:
-                self.step_rows = torch.zeros(heads * self.stacked_layers, self.plan.capacity, device=self.device)
+                self.step_rows = torch.zeros(groups, self.plan.capacity, device=self.device)
         elif layout != self.layout:
             return False
         lo, hi = layer.layer_idx * heads, (layer.layer_idx + 1) * heads
         layer.device, layer.dtype = self.device, self.dtype
-        layer.store = self.store.groups(lo, hi)
-        layer.keys, layer.values = layer.store.k, layer.store.v
+        if self.shares_kv:
+            layer.store = self.store.groups(lo, hi)
+            layer.keys, layer.values = layer.store.k, layer.store.v
+        else:
+            layer._init_kv(key_states, value_states, heads, layer.plan.capacity)
         layer.positions = self.positions[lo:hi]
         if self.table is not None:
             layer.table = self.table[lo:hi]
@@ -419,10 +443,24 @@ class LayerStack(BudgetedLayer):
         heads = self.layout[0]
         return self.step_rows[layer_idx * heads : (layer_idx + 1) * heads, :n]
 
+    def rows(self, lengths: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """For layers holding ``lengths`` entries: per row its count (long [R, 1]) and as float, which of the
+        longest layer's columns it holds ([R, longest]) and the columns' indices. Kept for the next step: in
+        decode the counts repeat."""
+        if lengths not in self._rows:
+            heads = self.layout[0]
+            held = torch.tensor(lengths, device=self.device).repeat_interleave(heads).unsqueeze(1)
+            order = torch.arange(max(lengths), device=self.device)
+            self._rows = {lengths: (held, held.to(torch.float32), order < held, order)}
+        return self._rows[lengths]
+
     def fold_staged(self, layers: list[BudgetedLayer]) -> None:
         """Fold the step's staged rows (one decode query per layer, seeing every held entry) into every layer's
-        statistics and query log at once, as each layer's ``observe`` would have."""
-        n = layers[0].length  # the layers have counted the new token
+        statistics and query log at once, as each layer's ``observe`` would have. Past a shorter layer's entries
+        the staged row holds nothing of that step; what it adds there lands on entries not held, which are
+        cleared before they are handed out."""
+        lengths = tuple(layer.length for layer in layers)  # the layers have counted the new token
+        n = max(lengths)
         rows = self.step_rows[:, :n]
         if "acc" in self.stats:
             self.stats["acc"][:, :n] += rows
@@ -431,21 +469,68 @@ class LayerStack(BudgetedLayer):
         if "last" in self.stats:
             self.stats["last"][:, :n] = rows
         if self.log is not None:
-            nvis = torch.full((rows.shape[0], 1), float(n), device=self.device)
+            nvis = self.rows(lengths)[1]
             self.log.next = layers[0].log.next
             self.log.append(self.policy.score.log_rows(rows.unsqueeze(1), nvis), nvis, self.log_slot[:, :n])
             for layer in layers:
                 layer.log.next = self.log.next
 
     def evict_layers(self, layers: list[BudgetedLayer]) -> None:
-        """Evict every layer to the budget in one go (they hold the same count: they were fed the same tokens)."""
-        lengths = {layer.length for layer in layers}
-        if len(lengths) != 1:
-            raise RuntimeError(f"stacked layers hold different counts {sorted(lengths)}; they must be fed alike")
-        self.length = lengths.pop()
-        self.evict_to_budget()
-        for layer in layers:
-            layer.length = self.length
+        """Evict every layer to its budget in one go: all at once when they share one plan (they hold the same
+        count: they were fed the same tokens) or each evicts one entry per head; otherwise layer by layer."""
+        if self.shares_kv:
+            lengths = {layer.length for layer in layers}
+            if len(lengths) != 1:
+                raise RuntimeError(f"stacked layers hold different counts {sorted(lengths)}; they must be fed alike")
+            self.length = lengths.pop()
+            self.evict_to_budget()
+            for layer in layers:
+                layer.length = self.length
+        elif all(layer.length == layer.plan.budget + 1 for layer in layers):
+            self.evict_one_each(layers)
+        else:
+            for layer in layers:
+                layer.evict_to_budget()
+
+    def evict_one_each(self, layers: list[BudgetedLayer]) -> None:
+        """Every head of every layer evicts its least entry. The rows are ranked padded to the longest, the padding
+        scored +inf, so each row's least is the one it would have alone. The eviction moves the entries after it
+        one place forward and its query-log slot behind them (a permutation of the columns, the identity past a
+        row's own entries)."""
+        lengths = tuple(layer.length for layer in layers)
+        n = max(lengths)
+        held, _, valid, order = self.rows(lengths)
+        state = self.padded_state(n, held, valid)
+        scores = self.policy.scored(state, self.plan.budget)  # the scope shields alike at every layer's budget
+        evicted = scores.masked_fill(~valid, float("inf")).argmin(dim=-1, keepdim=True)
+        source = torch.where(order == held - 1, evicted, order + (order >= evicted))
+        source = torch.where(valid, source, order)
+        self.positions[:, :n] = self.positions[:, :n].gather(1, source)
+        if self.table is not None:
+            compact_rows(self.table, flat_rows(source, self.plan.capacity), source.shape[0])
+        if self.log_slot is not None:
+            self.log_slot[:, :n] = self.log_slot[:, :n].gather(1, source)
+        heads = self.layout[0]
+        for l, layer in enumerate(layers):
+            layer.store.compact(layer.store.flat_rows(source[l * heads : (l + 1) * heads, : layer.plan.budget]), heads)
+            layer.length = layer.plan.budget
+
+    def padded_state(self, n: int, held: torch.Tensor, valid: torch.Tensor) -> TokenState:
+        """The stacked rows as one state padded to ``n`` entries (``valid`` marks each row's own): padding reads
+        as position 0 with every statistic exactly 0, as after the end of a layer's own state."""
+        mask = valid.to(torch.float32)
+        positions = self.positions[:, :n].masked_fill(~valid, 0)
+        eager = {name: value[:, :n] * mask for name, value in self.stats.items()}
+        eager |= {name: value * mask for name, value in self._derived_stats(positions).items()}
+        lazy, derived = {}, {}
+        if self.log is not None:
+            slots = self.log_slot[:, :n]
+            eager["qlog_nvis"] = self.log.nvis
+            lazy["qlog"] = lambda: self.log.gathered(slots) * mask.unsqueeze(1)
+            derived["qlog_sum"] = self.log.sums(slots) * mask
+        return TokenState(positions=positions, stats=Stats(eager, lazy), layer_idx=self.layer_idx,
+                          generator=self.cache.generator, phase=self.cache.phase, valid=valid, derived=derived,
+                          lengths=held.squeeze(1), layers=self.stacked_layers)
 
 
 class PooledLayer(_LayerBase):
@@ -706,11 +791,18 @@ class PooledLayer(_LayerBase):
 
 
 def stackable(plans: list[LayerPlan], policy: Policy) -> bool:
-    """Whether one eviction can serve every layer: several layers, all with one evicting plan, uniform allocation
-    (every head of every layer holds the same count). Merging is left per layer: it works on float32 copies of the
-    evicted layer's keys and values, which for every layer at once would be a prompt-sized transient."""
-    return (len(plans) > 1 and policy.evicts and not policy.allocation.per_head and not policy.merge
-            and plans[0].budget is not None and all(plan == plans[0] for plan in plans))
+    """Whether one eviction can serve every layer: several evicting layers under uniform allocation (every head of
+    a layer holds the same count), all with one plan, or with different budgets where each row is scored on its
+    own and the scope shields alike at every budget (see LayerStack). Merging is left per layer: it works on
+    float32 copies of the evicted layer's keys and values, which for every layer at once would be a prompt-sized
+    transient."""
+    if len(plans) < 2 or not policy.evicts or policy.allocation.per_head or policy.merge:
+        return False
+    budgets = [plan.budget for plan in plans]
+    if None in budgets:
+        return False
+    return (all(plan == plans[0] for plan in plans)
+            or (policy.score.row_local and policy.scope.shields_alike(budgets)))
 
 
 @dataclass
@@ -743,7 +835,7 @@ class BudgetedCache(Cache):
             self.rotary = find_rotary(model)
         layer_cls = PooledLayer if policy.allocation.per_head else BudgetedLayer
         super().__init__(layers=[layer_cls(i, plan, policy, self) for i, plan in enumerate(plans)])
-        self.stack = LayerStack(plans[0], policy, self, len(plans)) if stackable(plans, policy) else None
+        self.stack = LayerStack(plans, policy, self) if stackable(plans, policy) else None
 
     def begin_step(self, positions: torch.Tensor, evicting: bool, phase: str = "prefill",
                    collecting: bool = True) -> torch.Tensor:

@@ -151,6 +151,9 @@ class Score(ABC):
     # Per-entry quantities fixed when an entry is written (``features``), kept beside the statistics so that
     # a score reads them instead of recomputing them from every held key or value at every step.
     feature_names: frozenset[str] = frozenset()
+    # Whether an entry's score depends only on its own row of the state, not on how many entries are scored at
+    # once nor on other rows: layers of different budgets can then be scored together, padded to one length.
+    row_local: bool = True
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -184,6 +187,11 @@ class Scope(ABC):
     def min_budget(self) -> int:
         """The smallest budget this scope can honour (its fixed protections plus one candidate)."""
         return 1
+
+    def shields_alike(self, budgets: list[int]) -> bool:
+        """Whether ``protected`` marks the same entries of a head at every budget in ``budgets``, so that layers
+        of those budgets can be shielded in one go."""
+        return len(set(budgets)) == 1
 
     def reserved(self, budget: int) -> int:
         """Tokens the scope protects whatever the scores at this budget (sinks, recent window): what a
