@@ -142,6 +142,45 @@ def test_layers_of_different_budgets_evict_together_as_layer_by_layer(tiny, rand
     assert_same(stacked, per_layer(tiny, ids, policy, stage, monkeypatch, stride))
 
 
+def adaptive(name: str, **extra):
+    """A named policy's parts with Ada-KV's split across heads."""
+    cfg = policy_cfg(name, **extra)
+    cfg["allocation"] = {"kind": "adaptive", "floor": 0.2}
+    return build_policy(cfg)
+
+
+POOLED = {"adakv": lambda: named("adakv"),
+          "adakv, no floor": lambda: named("adakv", allocation={"floor": 0.0}),
+          "adakv, floor = budget": lambda: named("adakv", allocation={"floor": 1.0}),
+          "adakv, no window": lambda: named("adakv", scope={"window": 0}),
+          "adakv int8": lambda: named("adakv", quantize="int8"),
+          "h2o, a window of 2": lambda: adaptive("h2o", scope={"window": 2}),
+          "roco": lambda: adaptive("roco"),
+          "scissorhands": lambda: adaptive("scissorhands"),
+          "knorm": lambda: adaptive("knorm")}
+
+
+@pytest.mark.parametrize("stride", [8, None], ids=["chunked", "one chunk"])
+@pytest.mark.parametrize("stage", ["both", "decode"])
+@pytest.mark.parametrize("variant", POOLED)
+def test_pooled_layers_evict_together_as_layer_by_layer(tiny, random_ids, monkeypatch, variant, stage, stride):
+    """Ada-KV's pools: every decode step in which each layer holds one entry per head over its total is ranked
+    in one go; tokens, logits and every kept set must be those of each layer evicting alone."""
+    policy = POOLED[variant]()
+    if stage in policy.unsupported_stages:
+        pytest.skip(f"{variant} does not run in stage {stage}")
+    ids = random_ids(48, seed=35)
+    calls = []
+    together = cache_module.evict_pools
+    monkeypatch.setattr(cache_module, "evict_pools", lambda layers: calls.append(len(layers)) or together(layers))
+    batched = generate_with(tiny, ids, policy, stage, stride)
+    assert calls and max(calls) == tiny.model.config.num_hidden_layers
+    with monkeypatch.context() as m:
+        m.setattr(cache_module.PooledLayer, "over_by_one_each", lambda layer: False)
+        alone = generate_with(tiny, ids, policy, stage, stride)
+    assert_same(batched, alone)
+
+
 def test_compaction_in_blocks_equals_one_block(tiny, random_ids, monkeypatch):
     """The stack's compaction copies a few groups at a time; one group per block must change nothing."""
     ids = random_ids(48, seed=33)
@@ -211,3 +250,35 @@ def test_a_padded_state_holds_each_layer_and_nothing_past_it():
         assert not state.positions[rows, n:].any()
         assert not state.stats["acc"][rows, n:].any() and not state.stats["count"][rows, n:].any()
         assert layer.positions[:, n:].any() and layer.stats["acc"][:, n:].any()  # there was something to hide
+
+
+@pytest.mark.parametrize("variant", ["adakv", "mean_window"])
+def test_a_pooled_state_holds_each_layer_and_nothing_past_it(tiny, random_ids, monkeypatch, variant):
+    """Pooled layers scored as one: each row's own entries are what its layer's state holds, and past a head's
+    entries every statistic reads exactly 0 and every position 0 (the padding reads some pool row)."""
+    policy = named("adakv") if variant == "adakv" else adaptive("mean_window", scope={"window": 2})
+    caches = []
+    monkeypatch.setattr(cache_module.BudgetedCache, "summary",
+                        lambda cache, _summary=cache_module.BudgetedCache.summary: caches.append(cache) or _summary(cache))
+    generate_with(tiny, random_ids(48, seed=36), policy, "both", 8)
+    layers = caches[-1].layers
+    state, idx = cache_module.pooled_state(layers)
+    heads = layers[0].heads
+    names = ["qlog_sum"] if variant == "adakv" else ["acc", "count"]
+    padded = 0
+    for l, layer in enumerate(layers):
+        own, rows = layer.state(), slice(l * heads, (l + 1) * heads)
+        longest = own.length
+        own_values = {"qlog_sum": own.derived("qlog_sum", lambda s: None)} | dict(own.stats)
+        values = {"qlog_sum": state.derived("qlog_sum", lambda s: None)} | dict(state.stats)
+        for h, n in enumerate(layer.lengths.tolist()):
+            row = l * heads + h
+            assert torch.equal(idx[row, :n], layer.head_rows[h, :n])
+            assert torch.equal(state.positions[row, :n], own.positions[h, :n])
+            assert not state.positions[row, n:].any()
+            for name in names:
+                assert torch.equal(values[name][row, :n], own_values[name][h, :n])
+                assert not values[name][row, n:].any()
+            padded += state.length - n
+        assert torch.equal(state.valid_mask()[rows, :longest], own.valid_mask())
+    assert padded > 0

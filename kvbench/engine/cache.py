@@ -731,10 +731,7 @@ class PooledLayer(_LayerBase):
         if self.policy.merge:
             merged = merge_evicted(state.keys, state.values, self._merge_inputs(state), keep, state.valid)
         kept_rows = idx[keep]  # head-major, sequence order within each head
-        freed = idx[state.valid_mask() & ~keep]
-        self.free = torch.cat([freed, self.free])
-        self.holes += freed.shape[0]
-        self.head_of.index_fill_(0, freed, self.heads)
+        self.release(idx[state.valid_mask() & ~keep])
         self.relist(kept_rows, keep.sum(dim=1))
         if 4 * self.holes > self.rows:  # e.g. after a prompt chunk: a decode step reads the whole span
             kept_rows = self.make_dense()
@@ -743,6 +740,16 @@ class PooledLayer(_LayerBase):
             self.store.write_rows(kept_rows, k_new[keep].to(self.dtype), v_new[keep].to(self.dtype))
             self.stats["mass"][0].index_add_(0, kept_rows, absorbed[keep])
             self._write_features(kept_rows)
+
+    def over_by_one_each(self) -> bool:
+        """Whether the layer holds exactly one entry per head over its total (a decode step of a full pool)."""
+        return self.plan.budget is not None and self.rows == self.heads * (self.plan.budget + 1)
+
+    def release(self, freed: torch.Tensor) -> None:
+        """The evicted entries' rows are free again, first in line: new entries fill them before the span grows."""
+        self.free = torch.cat([freed, self.free])
+        self.holes += freed.shape[0]
+        self.head_of.index_fill_(0, freed, self.heads)
 
     def make_dense(self) -> torch.Tensor:
         """Move every held entry to rows ``0:rows``, head-major in sequence order, so that the span holds no
@@ -788,6 +795,72 @@ class PooledLayer(_LayerBase):
 
     def capacity_bytes(self) -> int:
         return self.store.capacity_bytes() if self.is_initialized else 0
+
+
+def evict_pools(layers: list[PooledLayer]) -> None:
+    """Evict pooled layers that each hold one entry per head over their total (every decode step once the pools are
+    full) in one go. Their heads' lists, padded to the longest, are scored as one state of layers × H rows and the
+    allocation splits each layer's total among its own heads (``TokenState.layers``); then each layer's lists,
+    free rows and owners are set from the one keep mask. The kept sets are those of evicting each layer alone:
+    every part ranks a row on its own, and padding is never kept."""
+    state, idx = pooled_state(layers)
+    first, valid = layers[0], state.valid
+    heads, count, n = first.heads, len(layers), state.length
+    keep = first.policy.keep_mask(state, first.plan.budget)
+    freed = idx[valid & ~keep].view(count, heads)  # each layer drops one entry per head, in some heads
+    # Each head's kept rows, in order, to the front of its list (dropped ones to a spare column).
+    at = torch.where(keep, keep.cumsum(dim=1) - 1, n)
+    lists = torch.zeros(count * heads, n + 1, dtype=idx.dtype, device=idx.device).scatter_(1, at, idx)
+    kept = keep.sum(dim=1)
+    longest = kept.view(count, heads).amax(dim=1).tolist()
+    for l, layer in enumerate(layers):
+        layer.release(freed[l])
+        rows = slice(l * heads, (l + 1) * heads)
+        layer.head_rows[:, :n] = lists[rows, :n]
+        layer.lengths, layer.longest, layer.rows = kept[rows], longest[l], layer.rows - heads
+        if 4 * layer.holes > layer.rows:
+            layer.make_dense()
+
+
+def pooled_state(layers: list[PooledLayer]) -> tuple[TokenState, torch.Tensor]:
+    """Pooled layers' states as one, their heads' lists padded to the longest (padding reads as position 0 with
+    every statistic exactly 0, as in a layer's own state); and the pool row of every entry [layers × H, n]."""
+    first = layers[0]
+    heads, device = first.heads, first.device
+    count, n = len(layers), max(layer.longest for layer in layers)
+    lengths = torch.cat([layer.lengths for layer in layers])
+    order = torch.arange(n, device=device)
+    valid = order < lengths.unsqueeze(1)
+    idx = torch.cat([layer.head_rows[:, :n] for layer in layers]).masked_fill_(~valid, 0)  # [layers × H, n]
+    by_layer = idx.view(count, heads * n)
+    mask = valid.to(torch.float32)
+
+    def per_entry(columns: list[torch.Tensor]) -> torch.Tensor:
+        """Each layer's per-row values [rows] (or [rows, X]) read at its heads' entries: [layers × H, n, ...]."""
+        stacked = torch.stack(columns)
+        at = by_layer if stacked.dim() == 2 else by_layer.unsqueeze(-1).expand(-1, -1, stacked.shape[-1])
+        return stacked.gather(1, at).view(count * heads, n, *stacked.shape[2:])
+
+    positions = per_entry([layer.positions[0] for layer in layers]).masked_fill(~valid, 0)
+    eager = {name: value * mask for name, value in first._derived_stats(positions).items()}
+    if first.stats:
+        rows = per_entry([layer.table[0, :, : len(layer.stats)] for layer in layers])
+        eager |= {name: rows[..., i] * mask for i, name in enumerate(first.stats)}
+    lazy, derived = {}, {}
+    if first.log is not None:
+        derived["qlog_sum"] = per_entry([layer.log.total[0] for layer in layers]) * mask
+        eager["qlog_nvis"] = torch.cat([layer.log.nvis for layer in layers])
+        lazy["qlog"] = lambda: torch.cat([layer.log.rows[0][:, part].transpose(0, 1)
+                                          for layer, part in zip(layers, idx.split(heads))]) * mask.unsqueeze(1)
+
+    def load_kv() -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = zip(*(layer.store.gather(part) for layer, part in zip(layers, idx.split(heads))))
+        return torch.cat(keys), torch.cat(values)
+
+    state = TokenState(positions=positions, stats=Stats(eager, lazy), layer_idx=-1, generator=first.cache.generator,
+                       phase=first.cache.phase, valid=valid, load_kv=load_kv, derived=derived, lengths=lengths,
+                       layers=count)
+    return state, idx
 
 
 def stackable(plans: list[LayerPlan], policy: Policy) -> bool:
@@ -836,6 +909,10 @@ class BudgetedCache(Cache):
         layer_cls = PooledLayer if policy.allocation.per_head else BudgetedLayer
         super().__init__(layers=[layer_cls(i, plan, policy, self) for i, plan in enumerate(plans)])
         self.stack = LayerStack(plans, policy, self) if stackable(plans, policy) else None
+        # Pooled layers of one plan, each ranking its rows on its own: decode steps evict them all at once.
+        self.pools_together = (policy.allocation.per_head and len(plans) > 1 and policy.evicts and not policy.merge
+                               and policy.score.row_local and all(plan == plans[0] for plan in plans))
+        self.waiting: list[PooledLayer] = []
 
     def begin_step(self, positions: torch.Tensor, evicting: bool, phase: str = "prefill",
                    collecting: bool = True) -> torch.Tensor:
@@ -867,11 +944,17 @@ class BudgetedCache(Cache):
         layer = self.layers[layer_idx]
         layer.observe(n_new, stats)
         layer.visible_past = layer.pool_bias = None
+        last = layer_idx == len(self.layers) - 1
         if self.stack is None:
-            if self.evicting:
+            if self.evicting and self.pools_together and layer.over_by_one_each():
+                self.waiting.append(layer)  # its cache is not read again before the next step
+            elif self.evicting:
                 layer.evict_to_budget()
+            if last and self.waiting:
+                evict_pools(self.waiting)
+                self.waiting = []
             return
-        if layer_idx == len(self.layers) - 1:
+        if last:
             if self.staging:
                 self.stack.fold_staged(self.layers)
             if self.evicting:

@@ -96,35 +96,52 @@ class Adaptive(Allocation):
             raise ValueError(f"floor={floor} must be a fraction of the budget in [0, 1]")
         self.floor = float(floor)
 
-    def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int) -> torch.Tensor:
-        h, n = scores.shape
+    def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int, layers: int = 1) -> torch.Tensor:
+        """``layers`` > 1: the rows are the heads of that many layers, each splitting its own total; they must
+        hold the same count (every decode step of a full cache drops one entry per head in every layer)."""
+        rows, n = scores.shape
+        h = rows // layers
         valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
         lengths = valid.sum(dim=1)
-        held, total = int(lengths.sum()), h * budget
-        if held <= total:
+        held = set(lengths.view(layers, h).sum(dim=1).tolist())
+        if len(held) != 1:
+            raise ValueError(f"layers split together must hold the same count, not {sorted(held)}")
+        drops = held.pop() - h * budget
+        if drops <= 0:
             return valid.clone()
         scores = scores.masked_fill(~valid, float("-inf"))
         protected = torch.isposinf(scores).sum(dim=1)
         floor = torch.minimum(lengths, protected.clamp_min(math.floor(self.floor * budget + 1e-9)))
         excluded = ~valid
-        most = int(floor.max())
         # Each head's best ``floor`` entries are guaranteed (protected ones first: they score +inf). A head
         # holding at least ``floor`` more than the drops keeps them anyway (the usual decode step: a few
-        # drops), so they need finding only when some head is that close to its floor.
-        if most > 0 and int((lengths - floor).min()) < held - total:
-            best = torch.topk(scores, most, dim=1, sorted=True).indices
-            guaranteed = torch.arange(most, device=scores.device).unsqueeze(0) < floor.unsqueeze(1)
-            excluded = excluded | torch.zeros_like(valid).scatter_(1, best, guaranteed)
-        # The layer total: drop the lowest of the other entries, whichever head holds them (there are
+        # drops), so they are set aside only in the heads that close to their floor.
+        near = (lengths - floor < drops).nonzero().squeeze(1)
+        if near.numel():
+            excluded[near] |= extreme(scores[near], floor[near], largest=True)
+        # Each layer's total: drop the lowest of its other entries, whichever head holds them (there are
         # enough of them: a head's floor never exceeds its budget).
-        candidates = scores.masked_fill(excluded, float("inf")).flatten()
-        dropped = torch.topk(candidates, held - total, largest=False, sorted=False).indices
-        keep = valid.clone()
-        keep.view(-1)[dropped] = False
-        return keep
+        candidates = scores.masked_fill(excluded, float("inf")).view(layers, h * n)
+        dropped = extreme(candidates, torch.full((layers,), drops, device=scores.device), largest=False)
+        return valid & ~dropped.view(rows, n)
 
     def describe(self) -> str:
         return f"adaptive(floor={self.floor:g})"
+
+
+def extreme(values: torch.Tensor, k: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Bool mask of each row's ``k[row]`` largest (or smallest) values, ties going to the earlier columns. topk
+    breaks ties by its own layout; this way a row selects the same entries whatever padding follows it, so layers
+    ranked together keep what each would alone."""
+    most = int(k.max())
+    if most == 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    ranked = torch.topk(values, most, dim=1, largest=largest, sorted=True).values
+    kth = ranked.gather(1, (k - 1).clamp_min(0).unsqueeze(1))
+    beyond = values > kth if largest else values < kth
+    tied = values == kth
+    short = k.unsqueeze(1) - beyond.sum(dim=1, keepdim=True)
+    return (beyond | (tied & (tied.cumsum(dim=1) <= short))) & (k.unsqueeze(1) > 0)
 
 
 ALLOCATIONS: dict[str, type[Allocation]] = {"uniform": Uniform, "pyramid": Pyramid, "adaptive": Adaptive}

@@ -218,9 +218,10 @@ class Allocation:
         ``reserved`` is what the scope protects whatever the scores (see ``Scope.reserved``)."""
         return [budget] * n_layers
 
-    def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int) -> torch.Tensor:
+    def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int, layers: int = 1) -> torch.Tensor:
         """Bool keep mask [H, n]. ``scores`` already carry +inf on protected entries; every head keeps
-        ``budget`` entries (or all it holds, if fewer)."""
+        ``budget`` entries (or all it holds, if fewer). ``layers``: how many layers' heads the rows hold (see
+        ``TokenState.layers``); a split across heads stays within a layer, here every row stands alone."""
         if valid is not None:
             scores = scores.masked_fill(~valid, float("-inf"))
         k = min(budget, scores.shape[-1])
@@ -297,7 +298,7 @@ class Policy:
     def keep_mask(self, state: TokenState, budget: int) -> torch.Tensor:
         """Bool [H, n]: what each head keeps. ``budget`` is the per-head budget (the average, under
         per-head allocation: the layer keeps ``heads × budget`` entries in all)."""
-        return self.allocation.keep(self.scored(state, budget), state.valid, budget)
+        return self.allocation.keep(self.scored(state, budget), state.valid, budget, state.layers)
 
     def select(self, state: TokenState, budget: int) -> torch.Tensor:
         """Indices to keep, [kv_heads, budget], ascending so kept tokens stay in sequence order
