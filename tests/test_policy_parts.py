@@ -377,7 +377,8 @@ def test_pooled_decode_attention_equals_decode_attention_over_each_heads_rows():
     owner = torch.tensor(owner_of[None, :] == np.arange(3)[:, None])
     needs = frozenset({"acc", "sumsq", "last", "qlog"})
     bias = torch.zeros(3, rows).masked_fill(~owner, float("-inf"))
-    output, stats = pooled_decode_attention(q, k, v, dim**-0.5, bias, needs, history=2)
+    counts = owner.sum(dim=1)
+    output, stats = pooled_decode_attention(q, k, v, dim**-0.5, bias, counts, needs, history=2)
     held = [np.flatnonzero(owner_of == h) for h in range(3)]
     longest = max(len(r) for r in held)
     view = torch.tensor([list(r) + [0] * (longest - len(r)) for r in held])

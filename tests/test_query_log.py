@@ -68,8 +68,8 @@ def test_pooled_log_follows_entries_through_evictions():
         keys, _ = layer.update(torch.randn(1, HEADS, q, DIM, generator=g), torch.randn(1, HEADS, q, DIM, generator=g))
         r = min(q, HISTORY)
         if layer.view_index is None:  # a decode step: one row per pool row, non-zero only in the row's own head
-            owner, rows_pos = layer.head_of[: keys.shape[2]], layer.positions[0, : keys.shape[2]]
-            visible = owner.unsqueeze(0) == torch.arange(HEADS).unsqueeze(1)  # [H, span]
+            rows_pos = layer.positions[0, : keys.shape[2]]
+            visible = layer.pool_bias == 0  # [H, span]: each head's own rows
             view_pos = rows_pos.expand(HEADS, -1)
         else:  # a prompt chunk: each head's past (padded) then its new rows
             past = keys.shape[2] - q

@@ -114,17 +114,17 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     output = torch.matmul(probs, value[0].to(torch.float32)).to(query.dtype).reshape(1, 1, hq, -1)
     if staged is not None:
         return output, {"staged_row": torch.mean(probs, dim=1, out=staged)}
-    return output, _decode_statistics(probs, visible, needs, history)
+    return output, _decode_statistics(probs, None if visible is None else visible.sum(dim=-1), needs, history)
 
 
 def pooled_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                            bias: torch.Tensor, needs: frozenset[str],
+                            bias: torch.Tensor, counts: torch.Tensor, needs: frozenset[str],
                             history: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``decode_attention`` over a pool of (head, token) rows, key/value [1, 1, rows, D], where KV head h sees
-    the rows whose ``bias[h]`` is 0 (-inf elsewhere; [kv_heads, rows], added to the logits: several times
-    cheaper than a broadcast mask). Two plain products over the pool, each row read once, instead of gathering
-    every head's rows into a padded view first. Statistics are [kv_heads, rows], exactly zero on the rows a
-    head does not hold."""
+    the ``counts[h]`` rows whose ``bias[h]`` is 0 (-inf elsewhere; [kv_heads, rows], added to the logits: several
+    times cheaper than a broadcast mask). Two plain products over the pool, each row read once, instead of
+    gathering every head's rows into a padded view first. Statistics are [kv_heads, rows], exactly zero on the
+    rows a head does not hold."""
     _, hq, _, dim = query.shape
     hkv, rows = bias.shape
     group = hq // hkv
@@ -132,13 +132,13 @@ def pooled_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     logits = torch.matmul(qh, key[0, 0].to(torch.float32).transpose(0, 1)).view(hkv, group, rows)
     probs = logits.add_(bias.unsqueeze(1)).softmax(dim=-1)
     output = torch.matmul(probs.view(hq, rows), value[0, 0].to(torch.float32)).to(query.dtype).view(1, 1, hq, -1)
-    visible = bias == 0 if "qlog" in needs and history > 0 else None
-    return output, _decode_statistics(probs, visible, needs, history)
+    return output, _decode_statistics(probs, counts, needs, history)
 
 
-def _decode_statistics(probs: torch.Tensor, visible: torch.Tensor | None, needs: frozenset[str],
+def _decode_statistics(probs: torch.Tensor, counts: torch.Tensor | None, needs: frozenset[str],
                        history: int) -> dict[str, torch.Tensor]:
-    """The statistics of one query's probabilities [hkv, group, n] (``visible`` [hkv, n] or None = all)."""
+    """The statistics of one query's probabilities [hkv, group, n]; ``counts`` [hkv]: how many keys each KV head
+    saw (None: all n)."""
     row = probs.mean(dim=1)  # GQA: the group's mean, [hkv, n]
     stats: dict[str, torch.Tensor] = {}
     if "acc" in needs:
@@ -150,8 +150,8 @@ def _decode_statistics(probs: torch.Tensor, visible: torch.Tensor | None, needs:
     if "qlog" in needs and history > 0:
         stats["qlog"] = row.unsqueeze(1)
         hkv, n = row.shape
-        stats["qlog_nvis"] = (torch.full((hkv, 1), float(n), device=row.device) if visible is None
-                              else visible.sum(dim=-1, keepdim=True).to(torch.float32))
+        stats["qlog_nvis"] = (torch.full((hkv, 1), float(n), device=row.device) if counts is None
+                              else counts.to(torch.float32).unsqueeze(1))
     return stats
 
 
@@ -169,7 +169,8 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     policy = cache.policy
     needs = policy.needs if cache.collecting else frozenset()
     if layer.pool_bias is not None:  # a per-head-allocated layer's decode step: keys are its whole pool
-        output, stats = pooled_decode_attention(query, key, value, scaling, layer.pool_bias, needs, policy.history)
+        output, stats = pooled_decode_attention(query, key, value, scaling, layer.pool_bias, layer.lengths, needs,
+                                                policy.history)
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
     collecting = bool(needs & ATTENTION_STATS)

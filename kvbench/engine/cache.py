@@ -160,6 +160,18 @@ def compact_rows(t: torch.Tensor, rows: torch.Tensor, groups: int) -> None:
         t[lo:hi, :k] = flat.index_select(0, rows[lo * k : hi * k]).view(hi - lo, k, width)
 
 
+def entry_buffers(policy: Policy, groups: int, rows: int, kv_heads: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor], QueryLog | None]:
+    """What ``groups`` × ``rows`` entries carry beside K/V: positions, the token table (and its columns by name) and
+    the query log with ``kv_heads`` rows of visibility counts."""
+    positions = torch.zeros(groups, rows, dtype=torch.long, device=device)
+    columns = sorted(n for n in policy.needs if n in STAT_NAMES) + sorted(policy.feature_names)
+    table = torch.zeros(groups, rows, len(columns), dtype=torch.float32, device=device) if columns else None
+    stats = {name: table[:, :, i] for i, name in enumerate(columns)}
+    log = QueryLog(groups, rows, policy.history, kv_heads, device) if "qlog" in policy.needs and policy.history else None
+    return positions, table, stats, log
+
+
 class _LayerBase(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
@@ -185,23 +197,20 @@ class _LayerBase(CacheLayerMixin):
         return self.plan.capacity
 
     def _init_store(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int, rows: int,
-                    kv_heads: int | None = None, kv: bool = True) -> None:
+                    kv_heads: int | None = None, kv: bool = True, bookkeeping: bool = True) -> None:
         """Buffers of ``groups`` × ``rows`` entries shaped like ``key_states`` / ``value_states`` [1, H, q, D];
         ``kv_heads`` (default H) rows of query-log visibility counts. ``kv=False``: the per-entry bookkeeping
-        only, no K/V store."""
+        only, no K/V store; ``bookkeeping=False``: the K/V store only (a stack holds the rest)."""
         if key_states.shape[0] != 1:
             raise ValueError("BudgetedCache runs one sequence at a time (batch size 1)")
         self.device, self.dtype = key_states.device, key_states.dtype
         if kv:
             self._init_kv(key_states, value_states, groups, rows)
-        self.positions = torch.zeros(groups, rows, dtype=torch.long, device=self.device)
-        columns = sorted(n for n in self.policy.needs if n in STAT_NAMES) + sorted(self.policy.feature_names)
-        if columns:
-            self.table = torch.zeros(groups, rows, len(columns), dtype=torch.float32, device=self.device)
-        self.stats = {name: self.table[:, :, i] for i, name in enumerate(columns)}
-        if "qlog" in self.policy.needs and self.policy.history:
-            self.log = QueryLog(groups, rows, self.policy.history, kv_heads or key_states.shape[1], self.device)
         self.is_initialized = True
+        if not bookkeeping:
+            return
+        self.positions, self.table, self.stats, self.log = entry_buffers(self.policy, groups, rows,
+                                                                       kv_heads or key_states.shape[1], self.device)
 
     def _init_kv(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int, rows: int) -> None:
         self.store = KVStore(groups, rows, key_states.shape[-1], value_states.shape[-1], key_states.dtype,
@@ -540,7 +549,8 @@ class PooledLayer(_LayerBase):
     row ``head_rows[h, j]`` for j < ``lengths[h]``; later slots are stale); new entries take rows from the
     ``free`` list and are appended to their head's list, evicted entries give their rows back. A decode step
     therefore rewrites only the rows of new entries and the small lists, never the held K/V, and sorts nothing;
-    its attention reads the pool where it lies (``pool_bias``: each head its own rows). Freed rows are
+    its attention reads the pool where it lies, each head masked to its own rows by ``owner_bias`` [H, pool
+    rows] (0 where the head holds the row, -inf elsewhere, kept up to date as rows are taken and freed). Freed rows are
     taken again first, so the rows in use stay within a ``span`` little larger than the entries held; when
     an eviction leaves many holes (a prompt chunk's), the held entries are moved together once
     (``make_dense``). ``length`` is the mean count per head.
@@ -557,7 +567,7 @@ class PooledLayer(_LayerBase):
         self.lengths: torch.Tensor | None = None
         self.longest = 0
         self.view_index: torch.Tensor | None = None
-        self.head_of: torch.Tensor | None = None
+        self.owner_bias: torch.Tensor | None = None
 
     @property
     def length(self) -> float:
@@ -566,16 +576,21 @@ class PooledLayer(_LayerBase):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.heads = key_states.shape[1]
         pool = self.heads * self.plan.capacity
-        self._init_store(key_states, value_states, 1, pool)
-        # A head may come to hold most of the pool (budgets move between heads), so each list spans it.
-        self.head_rows = torch.zeros(self.heads, pool, dtype=torch.long, device=self.device)
+        stack = self.cache.pools
+        shared = stack is not None and stack.adopt(self, key_states, value_states)
+        if stack is not None and not shared:
+            self.cache.pools_apart()
+        self._init_store(key_states, value_states, 1, pool, bookkeeping=not shared)
+        if not shared:
+            # A head may come to hold most of the pool (budgets move between heads), so each list spans it (and
+            # one spare column, see evict_pools).
+            self.head_rows = torch.zeros(self.heads, pool + 1, dtype=torch.long, device=self.device)
+            self.owner_bias = torch.full((self.heads, pool), float("-inf"), device=self.device)
         self.lengths = torch.zeros(self.heads, dtype=torch.long, device=self.device)
         self.free = torch.arange(pool, device=self.device)
-        # The head holding each row (``heads`` = free): a decode step's visibility over the pool.
         self.head_ids = torch.arange(self.heads, device=self.device)
-        self.head_of = torch.full((pool,), self.heads, dtype=torch.long, device=self.device)
-        # Column g of head_bias: what head h adds to the logit of a row held by head g (g = heads: free).
-        owns = self.head_ids.unsqueeze(1) == torch.arange(self.heads + 1, device=self.device)
+        # Column g of head_bias: what head h adds to the logit of a row held by head g.
+        owns = self.head_ids.unsqueeze(1) == self.head_ids
         self.head_bias = torch.zeros(owns.shape, device=self.device).masked_fill_(~owns, float("-inf"))
 
     def index(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -605,7 +620,7 @@ class PooledLayer(_LayerBase):
         self.store.write_rows(taken, stored.reshape(h * q, -1), value_states[0].reshape(h * q, -1))
         self.positions[0].index_copy_(0, taken, self.cache.step_positions.repeat(h) if q > 1
                                       else self.cache.step_positions.expand(h))
-        self.head_of.index_copy_(0, taken, self.head_ids.repeat_interleave(q) if q > 1 else self.head_ids)
+        self.owner_bias.index_copy_(1, taken, self.head_bias.repeat_interleave(q, dim=1) if q > 1 else self.head_bias)
         if self.table is not None:
             self.table[0].index_fill_(0, taken, 0.0)
             self._write_features(taken)
@@ -619,7 +634,7 @@ class PooledLayer(_LayerBase):
         if pool_step:
             # A decode step reads the pool as it lies, each head masked to its own rows: no per-head view.
             self.view_index = None
-            self.pool_bias = self.head_bias[:, self.head_of[: self.span]]
+            self.pool_bias = self.owner_bias[:, : self.span]
             keys, values = self.store.read(self.span)
             return keys.unsqueeze(0), values.unsqueeze(0)
         # The step's view: each head's past (padded to the longest head), then its new rows.
@@ -647,7 +662,7 @@ class PooledLayer(_LayerBase):
         if self.lengths is not None:
             self.lengths.zero_()
             self.free = torch.arange(self.store.k.shape[2], device=self.device)
-            self.head_of.fill_(self.heads)
+            self.owner_bias.fill_(float("-inf"))
         if self.log is not None:
             self.log.reset()
 
@@ -749,21 +764,22 @@ class PooledLayer(_LayerBase):
         """The evicted entries' rows are free again, first in line: new entries fill them before the span grows."""
         self.free = torch.cat([freed, self.free])
         self.holes += freed.shape[0]
-        self.head_of.index_fill_(0, freed, self.heads)
+        self.owner_bias.index_fill_(1, freed, float("-inf"))
 
     def make_dense(self) -> torch.Tensor:
         """Move every held entry to rows ``0:rows``, head-major in sequence order, so that the span holds no
         holes; returns the rows the entries now occupy."""
         idx, valid = self.index()
         held = idx[valid]
-        per_row = [t[0, 0] for t in self.store.tensors()] + [self.positions[0], self.head_of]
+        per_row = [t[0, 0] for t in self.store.tensors()] + [self.positions[0]]
         for t in per_row + ([self.table[0]] if self.table is not None else []):
             t[: self.rows] = t.index_select(0, held)
         if self.log is not None:
             self.log.move(held.unsqueeze(0))
-        self.head_of[self.rows :] = self.heads
+        self.owner_bias[:, : self.rows] = self.owner_bias.index_select(1, held)
+        self.owner_bias[:, self.rows :] = float("-inf")
         dense = torch.arange(self.rows, device=self.device)
-        self.free = torch.arange(self.rows, self.head_of.shape[0], device=self.device)
+        self.free = torch.arange(self.rows, self.owner_bias.shape[1], device=self.device)
         self.span, self.holes = self.rows, 0
         self.relist(dense, self.lengths)
         return dense
@@ -797,61 +813,95 @@ class PooledLayer(_LayerBase):
         return self.store.capacity_bytes() if self.is_initialized else 0
 
 
-def evict_pools(layers: list[PooledLayer]) -> None:
+class PoolStack:
+    """The bookkeeping of pooled layers that evict together (see ``evict_pools``): every layer's positions,
+    statistics, query log, head lists and row owners are slices of one set of buffers (layer l's at index l), so
+    that a step's eviction reads and writes all of them in single ops. Each layer keeps its own K/V pool."""
+
+    def __init__(self, plan: LayerPlan, policy: Policy, layers: int):
+        self.plan, self.policy, self.layers = plan, policy, layers
+        self.layout: tuple | None = None
+
+    def adopt(self, layer: "PooledLayer", key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Point ``layer``'s bookkeeping at its slice, allocating the stack for the first layer. False where its
+        shapes differ from the first layer's."""
+        heads = key_states.shape[1]
+        layout = (heads, key_states.shape[-1], value_states.shape[-1], key_states.dtype, key_states.device)
+        pool = heads * self.plan.capacity
+        if self.layout is None:
+            self.layout = layout
+            device = key_states.device
+            self.positions, self.table, self.stats, self.log = entry_buffers(self.policy, self.layers, pool,
+                                                                           self.layers * heads, device)
+            self.head_rows = torch.zeros(self.layers, heads, pool + 1, dtype=torch.long, device=device)
+            self.owner_bias = torch.full((self.layers, heads, pool), float("-inf"), device=device)
+        elif layout != self.layout:
+            return False
+        l = layer.layer_idx
+        layer.positions = self.positions[l : l + 1]
+        if self.table is not None:
+            layer.table = self.table[l : l + 1]
+            layer.stats = {name: layer.table[:, :, i] for i, name in enumerate(self.stats)}
+        if self.log is not None:
+            layer.log = self.log.groups(l, l + 1, heads=heads)
+        layer.head_rows, layer.owner_bias = self.head_rows[l], self.owner_bias[l]
+        return True
+
+
+def evict_pools(layers: list["PooledLayer"]) -> None:
     """Evict pooled layers that each hold one entry per head over their total (every decode step once the pools are
     full) in one go. Their heads' lists, padded to the longest, are scored as one state of layers × H rows and the
-    allocation splits each layer's total among its own heads (``TokenState.layers``); then each layer's lists,
+    allocation splits each layer's total among its own heads (``TokenState.layers``); then every layer's lists,
     free rows and owners are set from the one keep mask. The kept sets are those of evicting each layer alone:
     every part ranks a row on its own, and padding is never kept."""
+    stack = layers[0].cache.pools
     state, idx = pooled_state(layers)
-    first, valid = layers[0], state.valid
-    heads, count, n = first.heads, len(layers), state.length
-    keep = first.policy.keep_mask(state, first.plan.budget)
+    valid, heads, count, n = state.valid, layers[0].heads, len(layers), state.length
+    keep = layers[0].policy.keep_mask(state, layers[0].plan.budget)
     freed = idx[valid & ~keep].view(count, heads)  # each layer drops one entry per head, in some heads
-    # Each head's kept rows, in order, to the front of its list (dropped ones to a spare column).
+    stack.owner_bias.scatter_(2, freed.unsqueeze(1).expand(-1, heads, -1), float("-inf"))
+    # Each head's kept rows, in order, to the front of its list (dropped ones to the spare column n).
     at = torch.where(keep, keep.cumsum(dim=1) - 1, n)
-    lists = torch.zeros(count * heads, n + 1, dtype=idx.dtype, device=idx.device).scatter_(1, at, idx)
+    stack.head_rows.view(count * heads, -1)[:, : n + 1].scatter_(1, at, idx)
     kept = keep.sum(dim=1)
     longest = kept.view(count, heads).amax(dim=1).tolist()
     for l, layer in enumerate(layers):
-        layer.release(freed[l])
-        rows = slice(l * heads, (l + 1) * heads)
-        layer.head_rows[:, :n] = lists[rows, :n]
-        layer.lengths, layer.longest, layer.rows = kept[rows], longest[l], layer.rows - heads
+        layer.free = torch.cat([freed[l], layer.free])
+        layer.holes += heads
+        layer.lengths, layer.longest, layer.rows = kept[l * heads : (l + 1) * heads], longest[l], layer.rows - heads
         if 4 * layer.holes > layer.rows:
             layer.make_dense()
 
 
-def pooled_state(layers: list[PooledLayer]) -> tuple[TokenState, torch.Tensor]:
+def pooled_state(layers: list["PooledLayer"]) -> tuple[TokenState, torch.Tensor]:
     """Pooled layers' states as one, their heads' lists padded to the longest (padding reads as position 0 with
     every statistic exactly 0, as in a layer's own state); and the pool row of every entry [layers × H, n]."""
-    first = layers[0]
+    first, stack = layers[0], layers[0].cache.pools
     heads, device = first.heads, first.device
     count, n = len(layers), max(layer.longest for layer in layers)
     lengths = torch.cat([layer.lengths for layer in layers])
-    order = torch.arange(n, device=device)
-    valid = order < lengths.unsqueeze(1)
-    idx = torch.cat([layer.head_rows[:, :n] for layer in layers]).masked_fill_(~valid, 0)  # [layers × H, n]
+    valid = torch.arange(n, device=device) < lengths.unsqueeze(1)
+    idx = stack.head_rows.view(count * heads, -1)[:, :n].masked_fill(~valid, 0)  # [layers × H, n]
     by_layer = idx.view(count, heads * n)
     mask = valid.to(torch.float32)
 
-    def per_entry(columns: list[torch.Tensor]) -> torch.Tensor:
-        """Each layer's per-row values [rows] (or [rows, X]) read at its heads' entries: [layers × H, n, ...]."""
-        stacked = torch.stack(columns)
-        at = by_layer if stacked.dim() == 2 else by_layer.unsqueeze(-1).expand(-1, -1, stacked.shape[-1])
-        return stacked.gather(1, at).view(count * heads, n, *stacked.shape[2:])
+    def per_entry(values: torch.Tensor) -> torch.Tensor:
+        """[layers, rows] (or [layers, X, rows]) read at each layer's heads' entries: [layers × H, n] ([.., X, n])."""
+        if values.dim() == 2:
+            return values.gather(1, by_layer).view(count * heads, n)
+        at = by_layer.unsqueeze(1).expand(-1, values.shape[1], -1)
+        return values.gather(2, at).view(count, -1, heads, n).transpose(1, 2).reshape(count * heads, -1, n)
 
-    positions = per_entry([layer.positions[0] for layer in layers]).masked_fill(~valid, 0)
+    positions = per_entry(stack.positions).masked_fill(~valid, 0)
     eager = {name: value * mask for name, value in first._derived_stats(positions).items()}
-    if first.stats:
-        rows = per_entry([layer.table[0, :, : len(layer.stats)] for layer in layers])
-        eager |= {name: rows[..., i] * mask for i, name in enumerate(first.stats)}
+    if stack.stats:
+        rows = per_entry(stack.table.transpose(1, 2))  # [layers × H, columns, n]
+        eager |= {name: rows[:, i] * mask for i, name in enumerate(stack.stats)}
     lazy, derived = {}, {}
-    if first.log is not None:
-        derived["qlog_sum"] = per_entry([layer.log.total[0] for layer in layers]) * mask
-        eager["qlog_nvis"] = torch.cat([layer.log.nvis for layer in layers])
-        lazy["qlog"] = lambda: torch.cat([layer.log.rows[0][:, part].transpose(0, 1)
-                                          for layer, part in zip(layers, idx.split(heads))]) * mask.unsqueeze(1)
+    if stack.log is not None:
+        derived["qlog_sum"] = per_entry(stack.log.total) * mask
+        eager["qlog_nvis"] = stack.log.nvis
+        lazy["qlog"] = lambda: per_entry(stack.log.rows) * mask.unsqueeze(1)
 
     def load_kv() -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = zip(*(layer.store.gather(part) for layer, part in zip(layers, idx.split(heads))))
@@ -910,8 +960,9 @@ class BudgetedCache(Cache):
         super().__init__(layers=[layer_cls(i, plan, policy, self) for i, plan in enumerate(plans)])
         self.stack = LayerStack(plans, policy, self) if stackable(plans, policy) else None
         # Pooled layers of one plan, each ranking its rows on its own: decode steps evict them all at once.
-        self.pools_together = (policy.allocation.per_head and len(plans) > 1 and policy.evicts and not policy.merge
-                               and policy.score.row_local and all(plan == plans[0] for plan in plans))
+        together = (policy.allocation.per_head and len(plans) > 1 and policy.evicts and not policy.merge
+                    and policy.score.row_local and all(plan == plans[0] for plan in plans))
+        self.pools = PoolStack(plans[0], policy, len(plans)) if together else None
         self.waiting: list[PooledLayer] = []
 
     def begin_step(self, positions: torch.Tensor, evicting: bool, phase: str = "prefill",
@@ -946,7 +997,7 @@ class BudgetedCache(Cache):
         layer.visible_past = layer.pool_bias = None
         last = layer_idx == len(self.layers) - 1
         if self.stack is None:
-            if self.evicting and self.pools_together and layer.over_by_one_each():
+            if self.evicting and self.pools is not None and layer.over_by_one_each():
                 self.waiting.append(layer)  # its cache is not read again before the next step
             elif self.evicting:
                 layer.evict_to_budget()
@@ -970,6 +1021,14 @@ class BudgetedCache(Cache):
             for layer in self.layers:
                 if layer.is_initialized:
                     layer.evict_to_budget()
+
+    def pools_apart(self) -> None:
+        """Give up evicting the pooled layers together (a layer's shapes differ from the others'); those waiting
+        in this step are evicted now."""
+        self.pools = None
+        for layer in self.waiting:
+            layer.evict_to_budget()
+        self.waiting = []
 
     def summary(self) -> CacheStats:
         return CacheStats(

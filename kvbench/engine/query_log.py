@@ -28,10 +28,12 @@ class QueryLog:
     def reset(self) -> None:
         self.next = 0
 
-    def groups(self, lo: int, hi: int) -> "QueryLog":
-        """Groups ``lo:hi`` (and their ``nvis`` rows) as a log of their own, sharing these buffers."""
+    def groups(self, lo: int, hi: int, heads: int = 1) -> "QueryLog":
+        """Groups ``lo:hi`` (and their ``nvis`` rows, ``heads`` per group) as a log of their own, sharing these
+        buffers."""
         part = copy.copy(self)
-        part.rows, part.total, part.nvis = self.rows[lo:hi], self.total[lo:hi], self.nvis[lo:hi]
+        part.rows, part.total = self.rows[lo:hi], self.total[lo:hi]
+        part.nvis = self.nvis[lo * heads : hi * heads]
         part.next = 0
         return part
 
