@@ -331,6 +331,41 @@ def test_adakv_pool_stays_dense(tiny, random_ids, monkeypatch):
     for phase, span, rows, heads in spans:
         assert rows <= span <= rows + heads, (phase, span, rows)
     assert any(span == rows + heads for phase, span, rows, heads in spans if phase == "decode")
+    assert_owner_bias(spy.cache)
+
+
+def assert_owner_bias(cache) -> None:
+    """Each pooled layer's attention bias is 0 exactly on each head's own rows and -inf on every other row."""
+    for layer in cache.layers:
+        owns = torch.zeros_like(layer.owner_bias, dtype=torch.bool)
+        for h, n in enumerate(layer.lengths.tolist()):
+            owns[h, layer.head_rows[h, :n]] = True
+        assert torch.equal(layer.owner_bias == 0, owns) and layer.owner_bias[~owns].isneginf().all()
+
+
+def test_adakv_decode_steps_never_see_freed_rows(tiny, random_ids, monkeypatch):
+    """Small prompt chunks free few rows each, too few to pack the pool, so decode steps attend a span with free
+    rows in it: no head may see them (their K/V are evicted entries). Masked replay of the kept sets over a full
+    cache must give the same logits."""
+    spy, holes = Spy(monkeypatch), []
+    update = cache_module.PooledLayer.update
+
+    def record(layer, *args, **kwargs):
+        out = update(layer, *args, **kwargs)
+        if layer.view_index is None:
+            holes.append(layer.holes)
+        return out
+
+    monkeypatch.setattr(cache_module.PooledLayer, "update", record)
+    ids = random_ids(PROMPT, seed=22)
+    g = generate(tiny.model, None, ids, named("adakv"), 0.6, "both", DecodeSettings(max_new_tokens=NEW), stride=2,
+                 return_logits=True, trace=True)
+    assert spy.cache.layers[0].head_lengths() and max(holes) > 0  # decode steps attended spans with free rows
+    assert_owner_bias(spy.cache)
+    r = generate(tiny.model, None, ids, build_policy({"name": "full"}), 1.0, "both",
+                 DecodeSettings(max_new_tokens=NEW), stride=2, return_logits=True, forced_tokens=g.tokens,
+                 replay_trace=g.trace)
+    torch.testing.assert_close(g.logits, r.logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("stage, collects", [("prefill", False), ("both", True)])

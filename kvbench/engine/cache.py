@@ -11,12 +11,19 @@ Two layer layouts:
   pool of rows [1, 1, H × capacity, D], each row one (head, token) entry tagged with its head. Only kept
   entries are stored (no padding): resident bytes are rows × bytes per row, exactly what the tensors hold,
   and the pool's capacity equals the uniform layout's (the layer total never exceeds H × budget). A decode
-  step's attention reads the pool where it lies, each head masked to its own rows (``pool_bias``); a
+  step's attention reads the pool where it lies, each head masked to its own rows (``owner_bias``); a
   prompt chunk's gathers a padded [1, H, longest head + new, D] view whose padding is masked out
   (``visible_past``), transient compute workspace freed after the layer's attention, not cache memory.
 
-When every layer is a ``BudgetedLayer`` with the same plan, their buffers are slices of one ``LayerStack``
-[1, layers × H, capacity, D], which evicts all of them at once after the step's last layer has attended.
+Layers wait for the step's last layer and are evicted together (one scoring, one ranking, one set of writes
+instead of one per layer; a layer's cache is not read again before the next step):
+
+- ``LayerStack``: ``BudgetedLayer`` buffers are slices of one stack [1, layers × H, capacity, D] when every layer
+  has the same plan. Under different layer budgets (PyramidKV) each layer keeps its own K/V and only the
+  bookkeeping is stacked, at the largest layer's capacity; rows are then ranked padded to the longest, in the
+  steps where every layer evicts one entry per head (decode).
+- ``PoolStack``: the bookkeeping of ``PooledLayer`` s (Ada-KV) in one set of buffers; ``evict_pools`` scores
+  their heads' lists as one padded state in decode steps.
 
 Both store K/V through ``KVStore``: the model's dtype, or int8/fp8 codes with float32 per-entry scales
 (``policy.quantize``); resident bytes count the codes and the scales.
