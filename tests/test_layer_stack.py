@@ -239,7 +239,7 @@ def test_a_padded_state_holds_each_layer_and_nothing_past_it():
     feed(cache, [2] * len(budgets), 4)
     lengths = tuple(layer.length for layer in cache.layers)
     assert lengths == budgets
-    held, _, valid, _ = cache.stack.rows(lengths)
+    held, _, valid, *_ = cache.stack.rows(lengths)
     state = cache.stack.padded_state(max(lengths), held, valid)
     assert state.lengths().tolist() == [3, 3, 4, 4, 5, 5, 6, 6]
     for l, layer in enumerate(cache.layers):

@@ -461,13 +461,14 @@ class LayerStack(BudgetedLayer):
 
     def rows(self, lengths: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """For layers holding ``lengths`` entries: per row its count (long [R, 1]) and as float, which of the
-        longest layer's columns it holds ([R, longest]) and the columns' indices. Kept for the next step: in
-        decode the counts repeat."""
+        longest layer's columns it holds ([R, longest]), the columns' indices, and where each row's K/V start
+        in its layer's flattened rows ([R, 1]). Kept for the next step: in decode the counts repeat."""
         if lengths not in self._rows:
             heads = self.layout[0]
             held = torch.tensor(lengths, device=self.device).repeat_interleave(heads).unsqueeze(1)
             order = torch.arange(max(lengths), device=self.device)
-            self._rows = {lengths: (held, held.to(torch.float32), order < held, order)}
+            starts = torch.cat([torch.arange(heads, device=self.device) * plan.capacity for plan in self.plans])
+            self._rows = {lengths: (held, held.to(torch.float32), order < held, order, starts.unsqueeze(1))}
         return self._rows[lengths]
 
     def fold_staged(self, layers: list[BudgetedLayer]) -> None:
@@ -515,10 +516,11 @@ class LayerStack(BudgetedLayer):
         row's own entries)."""
         lengths = tuple(layer.length for layer in layers)
         n = max(lengths)
-        held, _, valid, order = self.rows(lengths)
+        held, _, valid, order, starts = self.rows(lengths)
         state = self.padded_state(n, held, valid)
-        scores = self.policy.scored(state, self.plan.budget)  # the scope shields alike at every layer's budget
-        evicted = scores.masked_fill(~valid, float("inf")).argmin(dim=-1, keepdim=True)
+        # The scope shields alike at every layer's budget; padding scores +inf: never the least.
+        scores = self.policy.scored(state, self.plan.budget, padding=float("inf"))
+        evicted = scores.argmin(dim=-1, keepdim=True)
         source = torch.where(order == held - 1, evicted, order + (order >= evicted))
         source = torch.where(valid, source, order)
         self.positions[:, :n] = self.positions[:, :n].gather(1, source)
@@ -527,8 +529,9 @@ class LayerStack(BudgetedLayer):
         if self.log_slot is not None:
             self.log_slot[:, :n] = self.log_slot[:, :n].gather(1, source)
         heads = self.layout[0]
+        kv_rows = source + starts  # into each layer's own flattened K/V rows
         for l, layer in enumerate(layers):
-            layer.store.compact(layer.store.flat_rows(source[l * heads : (l + 1) * heads, : layer.plan.budget]), heads)
+            layer.store.compact(kv_rows[l * heads : (l + 1) * heads, : layer.plan.budget].reshape(-1), heads)
             layer.length = layer.plan.budget
 
     def padded_state(self, n: int, held: torch.Tensor, valid: torch.Tensor) -> TokenState:

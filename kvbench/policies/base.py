@@ -288,11 +288,11 @@ class Policy:
     def layer_budgets(self, budget: int, n_layers: int, limit: int | None = None) -> list[int]:
         return self.allocation.layer_budgets(budget, n_layers, limit, self.scope.reserved(budget))
 
-    def scored(self, state: TokenState, budget: int) -> torch.Tensor:
-        """Scores with protected entries at +inf and padding at -inf, float32 [H, n]."""
+    def scored(self, state: TokenState, budget: int, padding: float = float("-inf")) -> torch.Tensor:
+        """Scores with protected entries at +inf and padding at ``padding`` (-inf: never kept), float32 [H, n]."""
         scores = self.scope.shield(self.score(state).to(torch.float32), state, budget)
         if state.valid is not None:
-            scores = scores.masked_fill(~state.valid, float("-inf"))
+            scores = scores.masked_fill(~state.valid, padding)
         return scores
 
     def keep_mask(self, state: TokenState, budget: int) -> torch.Tensor:
