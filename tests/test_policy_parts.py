@@ -126,13 +126,23 @@ def np_pool(x: np.ndarray, k: int, kind: str) -> np.ndarray:
     return windows.mean(0) if kind == "avg" else windows.max(0)
 
 
+def np_window_pool(x: np.ndarray, k: int, kind: str, window: np.ndarray) -> np.ndarray:
+    """SnapKV's pooling stopped at the observation window: the other entries pool only their non-window
+    neighbours (the window reads as padding), the window's own entries stay unpooled."""
+    out = x.copy()
+    for h, j in zip(*np.nonzero(~window)):
+        near = [x[h, i] for i in range(j - k // 2, j + k // 2 + 1) if 0 <= i < x.shape[1] and not window[h, i]]
+        out[h, j] = sum(near) / k if kind == "avg" else max(near)
+    return out
+
+
 REFERENCES = {
     "accumulated": (Accumulated(), ACC),
     "mean": (MeanAttention(), ACC / COUNT),
     "last": (LastQuery(), LAST),
     "hits": (Hits(history=W, threshold=1.5), ((QLOG >= 1.5 / NVIS[..., None]) & (QLOG > 0)).sum(1)),
-    "snapkv_avg": (ObservationWindow(window=W, kernel_size=3, pooling="avg"), np_pool(QLOG.sum(1), 3, "avg")),
-    "snapkv_max": (ObservationWindow(window=W, kernel_size=5, pooling="max"), np_pool(QLOG.sum(1), 5, "max")),
+    "snapkv_avg": (ObservationWindow(window=W, kernel_size=3, pooling="avg"), np_window_pool(QLOG.sum(1), 3, "avg", COUNT <= W)),
+    "snapkv_max": (ObservationWindow(window=W, kernel_size=5, pooling="max"), np_window_pool(QLOG.sum(1), 5, "max", COUNT <= W)),
     "key_norm": (KeyNorm(), -np.linalg.norm(KEYS, axis=-1)),
     "value_aware": (ValueAware(base="accumulated", p=1), ACC * np.abs(VALUES).sum(-1)),
     "value_aware_mean_l2": (ValueAware(base="mean", p=2), ACC / COUNT * np.linalg.norm(VALUES, axis=-1)),

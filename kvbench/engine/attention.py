@@ -1,20 +1,24 @@
-"""The attention function kvbench registers with transformers.
+"""The attention function kvbench registers with transformers: the family's own attention, over the cache.
 
-The output comes from transformers' own SDPA path (a fused kernel), with a mask this function builds
-per layer: causal inside the new chunk, every kept past entry visible (except what the layer's
-``visible_past`` hides: masked replay, or the padding of a per-head-allocated layer's view). Only the
-statistics the policy asks for are computed, a block of queries at a time, so no n×n matrix is ever
-held; a policy that needs none (window, key norm, random) pays nothing. A decode step (one query) of a
-policy that needs them computes its probabilities once and takes both the output and the statistics from
-them, as an implementation of such a policy would (a stacked cache's layers each leave their row for one
-fold of every layer's); a per-head-allocated layer's decode step attends over its pool of (head, token) rows
-in place. Once no later step will evict, no statistics are computed. Once the
-output exists the cache folds the statistics in and evicts: the step's own queries count.
+Every argument the attention interface hands over is either implemented or refused (``FAMILY_ARGUMENTS``):
+the layer's sliding window, by absolute position (key k is visible to query q when ``0 <= q - k < window``);
+logit softcapping (``cap · tanh(logit / cap)`` before the mask, Gemma 2); the family's scaling. The output
+comes from transformers' SDPA path with a mask this function builds per layer (causal inside the new chunk,
+every kept past entry visible except what the window or ``visible_past`` hides: masked replay, or the padding
+of a per-head-allocated layer's view). SDPA cannot softcap, so a softcapped layer's output comes from one
+blocked pass that also gives the statistics. Statistics are computed a block of queries at a time, so no n×n
+matrix is ever held, from the same logits the output uses (windowed, softcapped); a policy that needs none
+pays nothing, and once no later step will evict none are computed. A decode step (one query) of a policy that
+needs them computes its probabilities once and takes both the output and the statistics from them (a stacked
+cache's layers each leave their row for one fold of every layer's); a per-head-allocated layer's decode step
+attends over its pool of (head, token) rows in place. Once the output exists the cache folds the statistics in
+and evicts: the step's own queries count.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -23,30 +27,58 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvbench.policies.base import ATTENTION_STATS
 
 ATTN_NAME = "kvbench"
-# Upper bound on attention-probability elements materialised at once while collecting statistics.
+# Upper bound on attention-probability elements materialised at once (statistics, softcapped output, masks).
 STATS_BLOCK_ELEMENTS = 1 << 22
+# Arguments of transformers' attention interface that carry nothing kvbench must compute (bookkeeping the
+# model also hands to every other attention function). Any other argument with a value is refused.
+PASSIVE_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+
+
+@dataclass
+class Window:
+    """A sliding-window layer's visibility by absolute position: key k is visible to query q iff q - k < size."""
+
+    size: int
+    key_positions: torch.Tensor  # [heads or 1, n]
+    query_positions: torch.Tensor  # [q]
+
+    def allowed(self, q_start: int, q_end: int) -> torch.Tensor:
+        """Bool [heads or 1, q_end - q_start, n]."""
+        gap = self.query_positions[q_start:q_end].view(1, -1, 1) - self.key_positions.unsqueeze(1)
+        return gap < self.size
 
 
 def visibility(past: int, q_start: int, q_end: int, n: int, visible_past: torch.Tensor | None,
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, window: Window | None = None) -> torch.Tensor:
     """Bool [heads or 1, q_end - q_start, n]: key j is visible to chunk query i."""
     rows = torch.arange(q_start, q_end, device=device).unsqueeze(-1) + past
     allowed = (torch.arange(n, device=device).unsqueeze(0) <= rows).unsqueeze(0)
     if visible_past is not None:
         allowed = allowed.repeat(visible_past.shape[0], 1, 1)
         allowed[:, :, :past] &= visible_past.unsqueeze(1)
+    if window is not None:
+        allowed = allowed & window.allowed(q_start, q_end)
     return allowed
 
 
+def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's logit softcapping, in place: cap · tanh(logit / cap)."""
+    if softcap is None:
+        return logits
+    return logits.div_(softcap).tanh_().mul_(softcap)
+
+
 def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float, past: int,
-                         visible_past: torch.Tensor | None, needs: frozenset[str],
-                         history: int = 0) -> dict[str, torch.Tensor]:
+                         visible_past: torch.Tensor | None, needs: frozenset[str], history: int = 0,
+                         window: Window | None = None, softcap: float | None = None,
+                         value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The per-token statistics the policy needs from this step's attention, per KV head and key:
 
     - ``acc`` / ``sumsq``: sums over the step's queries of the attention probability (and of its square);
     - ``last``: the last query's row;
     - ``qlog`` [hkv, r, n] and ``qlog_nvis`` [hkv, r]: the rows of the step's last r = min(q, history) queries
-      and how many keys each of them could see (the layer keeps them in a ring of ``history`` rows).
+      and how many keys each of them could see (the layer keeps them in a ring of ``history`` rows);
+    - ``output`` (only with ``value``): the attention output [1, q, hq, Dv] from the same probabilities.
 
     GQA: probabilities are computed per query head, then the query heads of a group are reduced to their
     KV head by the MEAN (a group's heads share the cached entry, so the entry's importance is their average).
@@ -62,20 +94,27 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
     if log_from < q:
         out["qlog"] = torch.zeros(hkv, q - log_from, n, device=key.device)
         out["qlog_nvis"] = torch.zeros(hkv, q - log_from, device=key.device)
-    # Sums need every query; the last row and the query log only the step's last queries.
-    first = 0 if out.keys() & {"acc", "sumsq"} else min(log_from, q - 1 if "last" in needs else q)
+    output = None
+    if value is not None:
+        vh = value[0].to(torch.float32)
+        output = torch.empty(hkv, group, q, vh.shape[-1], device=key.device)
+    # Sums (and the output) need every query; the last row and the query log only the step's last queries.
+    first = 0 if output is not None or out.keys() & {"acc", "sumsq"} else min(log_from, q - 1 if "last" in needs else q)
     block = max(1, STATS_BLOCK_ELEMENTS // (hq * n))
     for start in range(first, q, block):
         end = min(q, start + block)
         # One batched product per KV head over a transposed view of the keys (no copy of K).
         logits = torch.matmul(qh[:, :, start:end].reshape(hkv, -1, dim), kh.transpose(-1, -2))
-        logits = logits.view(hkv, group, end - start, n).mul_(scaling)
+        logits = _softcapped(logits.view(hkv, group, end - start, n).mul_(scaling), softcap)
         # A lone query that sees every held entry (a plain decode step) needs no mask at all.
-        unmasked = visible_past is None and end - start == 1 and past + start + 1 == n
+        unmasked = visible_past is None and window is None and end - start == 1 and past + start + 1 == n
         if not unmasked:
-            allowed = visibility(past, start, end, n, visible_past, key.device)  # [hkv or 1, qb, n]
+            allowed = visibility(past, start, end, n, visible_past, key.device, window)  # [hkv or 1, qb, n]
             logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        probs = logits.softmax(dim=-1).mean(dim=1)  # [hkv, qb, n]
+        full = logits.softmax(dim=-1)
+        if output is not None:
+            output[:, :, start:end] = torch.matmul(full, vh.unsqueeze(1))
+        probs = full.mean(dim=1)  # [hkv, qb, n]
         if "acc" in out:
             out["acc"] += probs.sum(dim=1)
         if "sumsq" in out:
@@ -90,14 +129,17 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
             else:
                 nvis = allowed[:, lo - start :].sum(dim=-1).to(torch.float32)
                 out["qlog_nvis"][:, lo - log_from : end - log_from] = nvis.expand(hkv, -1)
+    if output is not None:
+        out["output"] = output.reshape(hq, q, -1).transpose(0, 1).unsqueeze(0).to(query.dtype)
     return out
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                      visible_past: torch.Tensor | None, needs: frozenset[str], history: int = 0,
-                     staged: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One query that sees every held entry (but what ``visible_past`` hides): the attention output, in the
-    layout transformers' attention functions return ([1, 1, heads, Dv]), and the statistics of
+                     staged: torch.Tensor | None = None, window: Window | None = None,
+                     softcap: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One query that sees every held entry (but what ``visible_past`` or the window hides): the attention
+    output, in the layout transformers' attention functions return ([1, 1, heads, Dv]), and the statistics of
     ``attention_statistics`` for that query, both from one set of probabilities (float32). With ``staged``
     [kv_heads, n] (a stacked cache's row for this layer), the query's GQA-mean row is written there instead and
     is the only statistic returned (``staged_row``): the cache folds every layer's at once."""
@@ -105,10 +147,14 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     hkv, n = key.shape[1], key.shape[2]
     group = hq // hkv
     qh = query[0].reshape(hkv, group, dim).to(torch.float32) * scaling
-    logits = torch.matmul(qh, key[0].to(torch.float32).transpose(-1, -2))  # [hkv, group, n]
+    logits = _softcapped(torch.matmul(qh, key[0].to(torch.float32).transpose(-1, -2)), softcap)  # [hkv, group, n]
     visible = None
     if visible_past is not None:
         visible = torch.cat([visible_past, visible_past.new_ones(hkv, 1)], dim=1)
+    if window is not None:
+        in_window = window.allowed(0, 1)[:, 0]  # [hkv or 1, n]
+        visible = in_window.expand(hkv, n) if visible is None else visible & in_window
+    if visible is not None:
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
     probs = logits.softmax(dim=-1)
     output = torch.matmul(probs, value[0].to(torch.float32)).to(query.dtype).reshape(1, 1, hq, -1)
@@ -119,17 +165,22 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def pooled_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                             bias: torch.Tensor, counts: torch.Tensor, needs: frozenset[str],
-                            history: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                            history: int = 0, window: Window | None = None,
+                            softcap: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``decode_attention`` over a pool of (head, token) rows, key/value [1, 1, rows, D], where KV head h sees
     the ``counts[h]`` rows whose ``bias[h]`` is 0 (-inf elsewhere; [kv_heads, rows], added to the logits: several
     times cheaper than a broadcast mask). Two plain products over the pool, each row read once, instead of
     gathering every head's rows into a padded view first. Statistics are [kv_heads, rows], exactly zero on the
-    rows a head does not hold."""
+    rows a head does not hold. A window (key positions [1, rows]) hides rows outside it from every head."""
     _, hq, _, dim = query.shape
     hkv, rows = bias.shape
     group = hq // hkv
     qh = query[0, :, 0].to(torch.float32) * scaling  # [hq, D]
-    logits = torch.matmul(qh, key[0, 0].to(torch.float32).transpose(0, 1)).view(hkv, group, rows)
+    logits = _softcapped(torch.matmul(qh, key[0, 0].to(torch.float32).transpose(0, 1)), softcap).view(hkv, group, rows)
+    if window is not None:
+        in_window = window.allowed(0, 1)[:, 0]  # [1, rows]
+        bias = bias.masked_fill(~in_window, float("-inf"))
+        counts = (bias == 0).sum(dim=-1)
     probs = logits.add_(bias.unsqueeze(1)).softmax(dim=-1)
     output = torch.matmul(probs.view(hq, rows), value[0, 0].to(torch.float32)).to(query.dtype).view(1, 1, hq, -1)
     return output, _decode_statistics(probs, counts, needs, history)
@@ -155,6 +206,26 @@ def _decode_statistics(probs: torch.Tensor, counts: torch.Tensor | None, needs: 
     return stats
 
 
+def family_arguments(layer_idx: int, kwargs: dict, planned_window: int | None) -> tuple[int | None, float | None]:
+    """The sliding window and softcap the model asks for; anything else it asks for is refused, never ignored.
+    The window must be the one the cache was planned with (decided from the config before the run)."""
+    window = kwargs.pop("sliding_window", None)
+    softcap = kwargs.pop("softcap", None)
+    dropout = kwargs.pop("dropout", 0.0)
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is on: kvbench measures inference; call model.eval()")
+    if kwargs.pop("output_attentions", False):
+        raise ValueError("output_attentions=True is not supported: kvbench's attention returns no weights")
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in PASSIVE_ARGUMENTS)
+    if unknown:
+        raise ValueError(f"the model's attention asks for {', '.join(unknown)}, which kvbench does not implement; "
+                         "this model family is not supported (see the README's family table)")
+    if window != planned_window:
+        raise RuntimeError(f"layer {layer_idx}: the model attends with sliding_window={window}, but the cache was "
+                           f"planned for {planned_window} (kvbench.families.layer_windows disagrees with the model)")
+    return window, softcap
+
+
 def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, None]:
@@ -163,35 +234,58 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     layer = cache.layers[module.layer_idx]
+    size, softcap = family_arguments(module.layer_idx, dict(kwargs, dropout=dropout), layer.plan.window)
     q, n = query.shape[2], key.shape[2]
     past = n - q
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    policy = cache.policy
+    policy = layer.policy
     needs = policy.needs if cache.collecting else frozenset()
+    window = layer.step_window(size)
     if layer.pool_bias is not None:  # a per-head-allocated layer's decode step: keys are its whole pool
         output, stats = pooled_decode_attention(query, key, value, scaling, layer.pool_bias, layer.lengths, needs,
-                                                policy.history)
+                                                policy.history, window, softcap)
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
     collecting = bool(needs & ATTENTION_STATS)
-    if q == 1 and collecting:
+    if q == 1 and (collecting or softcap is not None):
         staged = cache.stack.staged_row(module.layer_idx, n) if cache.staging else None
         output, stats = decode_attention(query, key, value, scaling, layer.visible_past, needs, policy.history,
-                                         staged)
+                                         staged, window, softcap)
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
-    mask = None
-    if layer.visible_past is not None:
-        group = query.shape[1] // key.shape[1]
-        mask = visibility(past, 0, q, n, layer.visible_past, key.device).repeat_interleave(group, dim=0).unsqueeze(0)
-    elif q > 1 and past > 0:
-        mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0)
-    output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
-                                       is_causal=mask is None and q > 1)
-    stats = (attention_statistics(query, key, scaling, past, layer.visible_past, needs, policy.history)
+    if softcap is not None:  # SDPA cannot softcap: the output and the statistics from one blocked pass
+        stats = attention_statistics(query, key, scaling, past, layer.visible_past, needs if collecting else
+                                     frozenset(), policy.history, window, softcap, value)
+        output = stats.pop("output")
+        cache.after_attention(module.layer_idx, q, stats)
+        return output, None
+    output = _sdpa(module, query, key, value, scaling, past, layer.visible_past, window)
+    stats = (attention_statistics(query, key, scaling, past, layer.visible_past, needs, policy.history, window)
              if collecting else {})
     cache.after_attention(module.layer_idx, q, stats)
     return output, None
+
+
+def _sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+          past: int, visible_past: torch.Tensor | None, window: Window | None) -> torch.Tensor:
+    """transformers' SDPA over the step's keys, masked as the layer's visibility says; a windowed chunk is
+    attended a block of queries at a time, so its mask never spans the whole chunk at once."""
+    q, n = query.shape[2], key.shape[2]
+    group = query.shape[1] // key.shape[1]
+    if visible_past is None and window is None:
+        mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0) if q > 1 and past > 0 else None
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
+                                      is_causal=mask is None and q > 1)[0]
+    block = max(1, STATS_BLOCK_ELEMENTS // (query.shape[1] * n))
+    outputs = []
+    for start in range(0, q, block):
+        end = min(q, start + block)
+        mask = visibility(past, start, end, n, visible_past, key.device, window)
+        if mask.shape[0] > 1:
+            mask = mask.repeat_interleave(group, dim=0)
+        outputs.append(sdpa_attention_forward(module, query[:, :, start:end], key, value, mask.unsqueeze(0),
+                                              dropout=0.0, scaling=scaling, is_causal=False)[0])
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
 AttentionInterface.register(ATTN_NAME, kvbench_attention)

@@ -42,10 +42,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvbench.engine.attention import Window
 from kvbench.engine.query_log import QueryLog
 from kvbench.policies.base import Policy, Stats, TokenState
 from kvbench.policies.merge import merge_evicted
-from kvbench.policies.positions import Rotary, find_rotary
+from kvbench.policies.positions import Rotary, layer_rotaries
 from kvbench.policies.quantize import Quantizer
 
 # Per-token statistics a layer accumulates; each is a column of the token table, seen as [kv_heads, capacity]
@@ -60,10 +61,19 @@ COMPACT_BLOCK_BYTES = 1 << 23
 
 @dataclass
 class LayerPlan:
-    """What one layer may hold: its token budget (None = never evict) and its buffer capacity."""
+    """What one layer may hold: its token budget in the policy's evicting steps (None = the policy never evicts
+    here) and its buffer capacity. A sliding-window layer (``window``) also drops, after every step, what its
+    next query cannot see: each head keeps at most its newest ``window - 1`` entries (``hold``), which is exact.
+    ``policy`` replaces the cache's policy in this layer (a sliding layer that only holds its window)."""
 
     budget: int | None
     capacity: int
+    window: int | None = None
+    policy: Policy | None = None
+
+    @property
+    def hold(self) -> int | None:
+        return None if self.window is None else self.window - 1
 
 
 class KVStore:
@@ -187,8 +197,12 @@ class _LayerBase(CacheLayerMixin):
         super().__init__()
         self.layer_idx = layer_idx
         self.plan = plan
-        self.policy = policy
+        self.policy = plan.policy or policy
         self.cache = cache
+        # Under positions=reindex: this layer's RoPE (layers may differ: Gemma 3's local and global bases).
+        self.rotary: Rotary | None = None
+        if cache.rotaries is not None and cache.rotaries[layer_idx].rot_dim > 0:
+            self.rotary = cache.rotaries[layer_idx]
         self.positions: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
@@ -202,6 +216,20 @@ class _LayerBase(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.plan.capacity
+
+    def step_window(self, size: int | None) -> Window | None:
+        """The step's sliding window over its keys (``step_keys``: their positions), or None where every key is
+        inside it (a trimmed layer's decode step)."""
+        if size is None:
+            return None
+        keys, queries = self.step_keys, self.cache.step_positions
+        if int(queries[-1]) - int(keys.min()) < size:
+            return None
+        return Window(size, keys, queries)
+
+    def window_state(self) -> dict[str, Any]:
+        """What a state needs to rank entries the next query cannot see last (see ``Policy.scored``)."""
+        return {"window": self.plan.window, "seen": self.cache.seen}
 
     def _init_store(self, key_states: torch.Tensor, value_states: torch.Tensor, groups: int, rows: int,
                     kv_heads: int | None = None, kv: bool = True, bookkeeping: bool = True) -> None:
@@ -236,10 +264,9 @@ class _LayerBase(CacheLayerMixin):
 
     def _stored_keys(self, key_states: torch.Tensor) -> torch.Tensor:
         """What is written: the keys as rotated by the model, or un-rotated under positions=reindex."""
-        rotary = self.cache.rotary
-        if rotary is None:
+        if self.rotary is None:
             return key_states
-        return rotary.rotate(key_states, -self.cache.step_model_positions.view(1, -1))
+        return self.rotary.unrotate(key_states, self.cache.step_model_positions.view(1, -1))
 
     def _merge_inputs(self, state: TokenState) -> torch.Tensor:
         weights = state.stats["acc"]
@@ -288,10 +315,11 @@ class BudgetedLayer(_LayerBase):
             self._write_features(self.length, end)
         if self.log is not None:
             self.log.clear(self.log_slot[:, self.length : end])
+        self.step_keys = self.positions[:, :end]
         keys, values = self.store.read(end)
-        if self.cache.rotary is not None:  # contiguous run ending at the step's last fed position
+        if self.rotary is not None:  # contiguous run ending at the step's last fed position
             start = int(self.cache.step_model_positions[0]) - self.length
-            keys = self.cache.rotary.rotate(keys, torch.arange(start, start + end, device=self.device).view(1, -1))
+            keys = self.rotary.rotate(keys, torch.arange(start, start + end, device=self.device).view(1, -1))
         return keys.unsqueeze(0), values.unsqueeze(0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -347,6 +375,7 @@ class BudgetedLayer(_LayerBase):
             load_kv=lambda: self.store.read(n),
             derived=derived,
             layers=self.stacked_layers,
+            **self.window_state(),
         )
 
     def evict_to_budget(self) -> None:
@@ -382,6 +411,15 @@ class BudgetedLayer(_LayerBase):
             self.log_slot[:, :n] = self.log_slot[:, :n].gather(1, torch.cat([keep, evicted], dim=1))
         self.length = k
 
+    def trim_to_window(self) -> None:
+        """A sliding layer keeps each head's newest ``hold`` entries (positions ascend along a row)."""
+        hold, n = self.plan.hold, self.length
+        if hold is None or n <= hold:
+            return
+        order = torch.arange(n, device=self.device)
+        heads = self.positions.shape[0]
+        self.compact(order[n - hold :].expand(heads, -1), order[: n - hold].expand(heads, -1))
+
     def kept_positions(self) -> torch.Tensor:
         return self.positions[:, : self.length].clone()
 
@@ -414,7 +452,8 @@ class LayerStack(BudgetedLayer):
     evicted until the step's last layer has attended: its cache is not read again before the next step."""
 
     def __init__(self, plans: list[LayerPlan], policy: Policy, cache: "BudgetedCache"):
-        super().__init__(-1, LayerPlan(plans[0].budget, max(plan.capacity for plan in plans)), policy, cache)
+        super().__init__(-1, LayerPlan(plans[0].budget, max(plan.capacity for plan in plans), plans[0].window),
+                         policy, cache)
         self.plans = plans
         self.stacked_layers = len(plans)
         self.shares_kv = all(plan == plans[0] for plan in plans)
@@ -509,6 +548,19 @@ class LayerStack(BudgetedLayer):
             for layer in layers:
                 layer.evict_to_budget()
 
+    def trim_layers(self, layers: list[BudgetedLayer]) -> None:
+        """Every sliding layer to its window at once (they share one plan) or layer by layer."""
+        if self.plan.hold is None or all(layer.length <= self.plan.hold for layer in layers):
+            return
+        if not self.shares_kv:
+            for layer in layers:
+                layer.trim_to_window()
+            return
+        self.length = layers[0].length
+        self.trim_to_window()
+        for layer in layers:
+            layer.length = self.length
+
     def evict_one_each(self, layers: list[BudgetedLayer]) -> None:
         """Every head of every layer evicts its least entry. The rows are ranked padded to the longest, the padding
         scored +inf, so each row's least is the one it would have alone. The eviction moves the entries after it
@@ -549,7 +601,7 @@ class LayerStack(BudgetedLayer):
             derived["qlog_sum"] = self.log.sums(slots) * mask
         return TokenState(positions=positions, stats=Stats(eager, lazy), layer_idx=self.layer_idx,
                           generator=self.cache.generator, phase=self.cache.phase, valid=valid, derived=derived,
-                          lengths=held.squeeze(1), layers=self.stacked_layers)
+                          lengths=held.squeeze(1), layers=self.stacked_layers, **self.window_state())
 
 
 class PooledLayer(_LayerBase):
@@ -618,7 +670,7 @@ class PooledLayer(_LayerBase):
             raise RuntimeError(
                 f"layer {self.layer_idx}: {self.rows + h * q} rows exceed the pre-allocated pool {self.store.k.shape[2]}"
             )
-        pool_step = q == 1 and self.cache.rotary is None and self.visible_past is None
+        pool_step = q == 1 and self.rotary is None and self.visible_past is None
         if not pool_step:
             past_idx, past_valid = self.index()
             uneven = self.rows != h * self.longest
@@ -645,18 +697,20 @@ class PooledLayer(_LayerBase):
             # A decode step reads the pool as it lies, each head masked to its own rows: no per-head view.
             self.view_index = None
             self.pool_bias = self.owner_bias[:, : self.span]
+            self.step_keys = self.positions[:, : self.span]
             keys, values = self.store.read(self.span)
             return keys.unsqueeze(0), values.unsqueeze(0)
         # The step's view: each head's past (padded to the longest head), then its new rows.
         self.view_index = torch.cat([past_idx, new_rows], dim=1)
+        self.step_keys = self.positions[0][self.view_index]
         self.visible_past = past_valid if uneven else None
         keys, values = self.store.gather(self.view_index)
-        if self.cache.rotary is not None:
+        if self.rotary is not None:
             p = int(self.cache.step_model_positions[0])
             cols = torch.arange(self.view_index.shape[1], device=self.device).unsqueeze(0)
             past = past_idx.shape[1]
             pos = torch.where(cols < past, p - lengths_before.unsqueeze(1) + cols, p + cols - past)
-            keys = self.cache.rotary.rotate(keys, pos)
+            keys = self.rotary.rotate(keys, pos)
         return keys.unsqueeze(0), values.unsqueeze(0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -743,6 +797,7 @@ class PooledLayer(_LayerBase):
             load_kv=lambda: self.store.gather(idx),
             derived=derived,
             lengths=self.lengths,
+            **self.window_state(),
         )
 
     def evict_to_budget(self) -> None:
@@ -755,16 +810,31 @@ class PooledLayer(_LayerBase):
         merged = None
         if self.policy.merge:
             merged = merge_evicted(state.keys, state.values, self._merge_inputs(state), keep, state.valid)
-        kept_rows = idx[keep]  # head-major, sequence order within each head
-        self.release(idx[state.valid_mask() & ~keep])
-        self.relist(kept_rows, keep.sum(dim=1))
-        if 4 * self.holes > self.rows:  # e.g. after a prompt chunk: a decode step reads the whole span
-            kept_rows = self.make_dense()
+        kept_rows = self.retain(idx, state.valid_mask(), keep)
         if merged is not None:
             k_new, v_new, absorbed = merged
             self.store.write_rows(kept_rows, k_new[keep].to(self.dtype), v_new[keep].to(self.dtype))
             self.stats["mass"][0].index_add_(0, kept_rows, absorbed[keep])
             self._write_features(kept_rows)
+
+    def retain(self, idx: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Keep the entries ``keep`` of the padded index ``idx`` [H, L], free the other ``valid`` ones; returns the
+        rows the kept entries occupy, head-major in sequence order."""
+        kept_rows = idx[keep]
+        self.release(idx[valid & ~keep])
+        self.relist(kept_rows, keep.sum(dim=1))
+        if 4 * self.holes > self.rows:  # e.g. after a prompt chunk: a decode step reads the whole span
+            kept_rows = self.make_dense()
+        return kept_rows
+
+    def trim_to_window(self) -> None:
+        """A sliding layer keeps each head's newest ``hold`` entries (a head's list is in sequence order)."""
+        hold = self.plan.hold
+        if hold is None or self.longest <= hold:
+            return
+        idx, valid = self.index()
+        newest = torch.arange(self.longest, device=self.device) >= (self.lengths - hold).unsqueeze(1)
+        self.retain(idx, valid, valid & newest)
 
     def over_by_one_each(self) -> bool:
         """Whether the layer holds exactly one entry per head over its total (a decode step of a full pool)."""
@@ -919,7 +989,7 @@ def pooled_state(layers: list["PooledLayer"]) -> tuple[TokenState, torch.Tensor]
 
     state = TokenState(positions=positions, stats=Stats(eager, lazy), layer_idx=-1, generator=first.cache.generator,
                        phase=first.cache.phase, valid=valid, load_kv=load_kv, derived=derived, lengths=lengths,
-                       layers=count)
+                       layers=count, **first.window_state())
     return state, idx
 
 
@@ -932,7 +1002,7 @@ def stackable(plans: list[LayerPlan], policy: Policy) -> bool:
     if len(plans) < 2 or not policy.evicts or policy.allocation.per_head or policy.merge:
         return False
     budgets = [plan.budget for plan in plans]
-    if None in budgets:
+    if None in budgets or len({(plan.window, id(plan.policy)) for plan in plans}) > 1:
         return False
     return (all(plan == plans[0] for plan in plans)
             or (policy.score.row_local and policy.scope.shields_alike(budgets)))
@@ -943,6 +1013,7 @@ class CacheStats:
     kept_per_layer: list[float] = field(default_factory=list)
     resident_bytes: int = 0
     capacity_bytes: int = 0
+    resident_per_layer: list[int] = field(default_factory=list)
 
 
 class BudgetedCache(Cache):
@@ -961,17 +1032,17 @@ class BudgetedCache(Cache):
         self.collecting = True
         self.staging = False
         self.phase = "prefill"
-        self.rotary: Rotary | None = None
+        self.rotaries: list[Rotary] | None = None
         if policy.positions == "reindex":
             if model is None:
                 raise ValueError("positions=reindex needs the model (its rotary embedding) to build the cache")
-            self.rotary = find_rotary(model)
-        layer_cls = PooledLayer if policy.allocation.per_head else BudgetedLayer
-        super().__init__(layers=[layer_cls(i, plan, policy, self) for i, plan in enumerate(plans)])
+            self.rotaries = layer_rotaries(model)
+        super().__init__(layers=[(PooledLayer if (plan.policy or policy).allocation.per_head else BudgetedLayer)(
+            i, plan, policy, self) for i, plan in enumerate(plans)])
         self.stack = LayerStack(plans, policy, self) if stackable(plans, policy) else None
         # Pooled layers of one plan, each ranking its rows on its own: decode steps evict them all at once.
         together = (policy.allocation.per_head and len(plans) > 1 and policy.evicts and not policy.merge
-                    and policy.score.row_local and all(plan == plans[0] for plan in plans))
+                    and policy.score.row_local and all(plan == plans[0] for plan in plans) and plans[0].policy is None)
         self.pools = PoolStack(plans[0], policy, len(plans)) if together else None
         self.waiting: list[PooledLayer] = []
 
@@ -992,7 +1063,7 @@ class BudgetedCache(Cache):
         self.staging = (self.stack is not None and self.stack.is_initialized and positions.shape[0] == 1
                         and self.collecting and self.policy.needs_attention
                         and all(layer.visible_past is None for layer in self.layers))
-        if self.rotary is None:
+        if self.rotaries is None:
             self.step_model_positions = positions
         else:
             held = max((layer.max_head_length() for layer in self.layers if layer.is_initialized), default=0)
@@ -1009,10 +1080,14 @@ class BudgetedCache(Cache):
         if self.stack is None:
             if self.evicting and self.pools is not None and layer.over_by_one_each():
                 self.waiting.append(layer)  # its cache is not read again before the next step
-            elif self.evicting:
-                layer.evict_to_budget()
+            else:
+                if self.evicting:
+                    layer.evict_to_budget()
+                layer.trim_to_window()
             if last and self.waiting:
                 evict_pools(self.waiting)
+                for waited in self.waiting:
+                    waited.trim_to_window()
                 self.waiting = []
             return
         if last:
@@ -1020,6 +1095,7 @@ class BudgetedCache(Cache):
                 self.stack.fold_staged(self.layers)
             if self.evicting:
                 self.stack.evict_layers(self.layers)
+            self.stack.trim_layers(self.layers)
 
     def unstack(self) -> None:
         """Give up the shared eviction (a layer's shapes differ from the others'): the layers that have already
@@ -1041,10 +1117,12 @@ class BudgetedCache(Cache):
         self.waiting = []
 
     def summary(self) -> CacheStats:
+        resident = [layer.resident_bytes() for layer in self.layers]
         return CacheStats(
             kept_per_layer=[layer.tokens_held() for layer in self.layers],
-            resident_bytes=sum(layer.resident_bytes() for layer in self.layers),
+            resident_bytes=sum(resident),
             capacity_bytes=sum(layer.capacity_bytes() for layer in self.layers),
+            resident_per_layer=resident,
         )
 
     def kept_positions(self) -> list[torch.Tensor]:

@@ -15,8 +15,10 @@ import torch
 
 from kvbench.engine import measure
 from kvbench.engine.attention import kvbench_attention_enabled
-from kvbench.engine.cache import BudgetedCache, LayerPlan
+from kvbench.engine.cache import BudgetedCache
 from kvbench.engine.fused_llama import FusedLlama, supports
+from kvbench.engine.plan import plan_capacity, plan_layers
+from kvbench.families import check_supported, layer_windows
 from kvbench.policies.base import Policy
 
 STAGES = ("prefill", "decode", "both")
@@ -45,6 +47,11 @@ class Generation:
     budget_achieved_per_layer: list[float]
     kv_resident_bytes: int
     kv_resident_peak_bytes: int
+    # Full-attention and sliding-window layers apart (None where the model has no layer of that kind).
+    budget_achieved_full: float | None
+    budget_achieved_sliding: float | None
+    kv_resident_bytes_full: int | None
+    kv_resident_bytes_sliding: int | None
     kv_capacity_bytes: int
     prefill_s: float
     ttft_s: float
@@ -76,23 +83,6 @@ def resolve_budget(budget: float | int, reference_length: int) -> int:
 def reference_length(stage: str, context: int, suffix: int, max_new_tokens: int) -> int:
     """What a fractional budget is a fraction of: the prompt for prefill/both, the whole sequence for decode."""
     return context + suffix + max_new_tokens if stage == "decode" else context
-
-
-def plan_capacity(stage: str, budget: int | None, context: int, suffix: int, max_new: int, chunk: int) -> int:
-    """The most tokens a layer ever holds under this schedule (pre-allocated once)."""
-    total = context + suffix + max_new
-    if budget is None:
-        return total
-    prefill_evicts = stage in ("prefill", "both")
-    decode_evicts = stage in ("decode", "both")
-    held_in_prefill = min(context, budget + chunk) if prefill_evicts else context
-    after_prefill = min(context, budget) if prefill_evicts else context
-    after_suffix = after_prefill + suffix
-    if decode_evicts:
-        peak = max(held_in_prefill, max(after_suffix, budget) + 1)
-    else:
-        peak = max(held_in_prefill, after_suffix + max_new)
-    return min(total, peak)
 
 
 def cache_argument(model: Any) -> str:
@@ -165,7 +155,6 @@ def generation(
     settings: DecodeSettings | None = None,
     suffix_ids: list[int] | None = None,
     stride: int | None = None,
-    layer_budgets: Any = None,
     return_logits: bool = False,
     trace: bool = False,
     forced_tokens: list[int] | None = None,
@@ -178,8 +167,8 @@ def generation(
     machine lands on all of them alike (the device's peak-memory counters are then shared by those runs).
 
     ``suffix_ids`` are fed after the context is compressed (a question the policy must not see
-    while compressing). ``layer_budgets(budget, n_layers) -> list[int]`` splits the budget across
-    layers (the policy's allocation when None). ``forced_tokens`` teacher-forces the decode (fidelity metrics).
+    while compressing). The policy's allocation splits the budget across layers (see ``engine.plan`` for
+    sliding-window layers). ``forced_tokens`` teacher-forces the decode (fidelity metrics).
     ``replay_trace`` (the ``trace`` of another run, used with the full cache) masks every step's
     past down to what that run held, which must give that run's logits. ``fused`` runs the forward
     with fused, pre-transposed projections (``None``: wherever the model supports it).
@@ -195,7 +184,9 @@ def generation(
     chunk = stride or context
     if chunk < 1:
         raise ValueError(f"stride {stride} must be >= 1")
-    n_layers = model.config.num_hidden_layers
+    check_supported(model.config)
+    windows = layer_windows(model.config)
+    n_layers = len(windows)
     budget_tokens = (
         resolve_budget(budget, reference_length(stage, context, suffix, settings.max_new_tokens))
         if policy.evicts else None
@@ -205,16 +196,7 @@ def generation(
             f"budget of {budget_tokens} tokens is below what policy {policy.name!r} protects "
             f"({policy.scope.min_budget()} tokens); raise the budget or lower n_sink/window"
         )
-    if budget_tokens is None:
-        per_layer = [None] * n_layers
-    elif layer_budgets:
-        per_layer = layer_budgets(budget_tokens, n_layers)
-    else:  # the policy's allocation (uniform, pyramid, ...); no layer needs more than it will ever hold
-        limit = context if stage == "prefill" else context + suffix + settings.max_new_tokens
-        per_layer = policy.layer_budgets(budget_tokens, n_layers, limit)
-    plans = [
-        LayerPlan(b, plan_capacity(stage, b, context, suffix, settings.max_new_tokens, chunk)) for b in per_layer
-    ]
+    plans = plan_layers(policy, budget_tokens, windows, stage, context, suffix, settings.max_new_tokens, chunk)
     cache = BudgetedCache(plans, policy, seed=settings.seed, device=device, model=model)
     cache_kw = cache_argument(model)
     fused_forward = fused_forward_for(model, fused)
@@ -305,6 +287,7 @@ def generation(
     else:
         achieved = kept / seen
         per_layer_achieved = [k / seen for k in summary.kept_per_layer]
+    by_kind = _by_layer_kind(windows, per_layer_achieved, summary.resident_per_layer)
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
     if stop_reason == "stop_string":
         text = _cut_at_stop(text, settings.stop_strings)
@@ -320,6 +303,7 @@ def generation(
         budget_achieved_per_layer=per_layer_achieved,
         kv_resident_bytes=summary.resident_bytes,
         kv_resident_peak_bytes=resident_peak,
+        **by_kind,
         kv_capacity_bytes=summary.capacity_bytes,
         prefill_s=t_prefill - t0,
         ttft_s=t_first - t0,
@@ -330,6 +314,16 @@ def generation(
         logits=torch.stack(logits_seen) if return_logits else None,
         trace=traces if trace else None,
     )
+
+
+def _by_layer_kind(windows: list[int | None], achieved: list[float], resident: list[int]) -> dict[str, Any]:
+    """Achieved budget (mean over layers) and resident bytes of the full-attention and the sliding layers."""
+    out: dict[str, Any] = {}
+    for kind, members in (("full", [w is None for w in windows]), ("sliding", [w is not None for w in windows])):
+        chosen = [i for i, member in enumerate(members) if member]
+        out[f"budget_achieved_{kind}"] = sum(achieved[i] for i in chosen) / len(chosen) if chosen else None
+        out[f"kv_resident_bytes_{kind}"] = sum(resident[i] for i in chosen) if chosen else None
+    return out
 
 
 def _hit_stop(tokenizer: Any, tokens: list[int], stops: list[str]) -> bool:

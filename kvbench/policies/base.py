@@ -20,6 +20,7 @@ PHASES = ("prefill", "decode")
 # Statistics that can only be had by computing attention probabilities (the others are free).
 ATTENTION_STATS = frozenset({"acc", "sumsq", "last", "qlog"})
 POSITION_MODES = ("absolute", "reindex")
+SLIDING_MODES = ("window", "evict")
 
 
 class Stats(dict):
@@ -58,6 +59,8 @@ class TokenState:
     ``derived`` presets quantities of ``derived()`` that the layer can compute more cheaply itself, ``lengths``
     the count per head. ``layers`` > 1 when the rows are the heads of that many decoder layers, evicted at once
     (layer l's heads are rows l·H to (l+1)·H - 1): a part that mixes heads mixes those of one layer only.
+    ``window`` (a sliding-window layer's) and ``seen`` (tokens fed so far): the next query sees only entries at
+    positions above ``seen - window``.
     """
 
     def __init__(
@@ -74,6 +77,8 @@ class TokenState:
         derived: dict[str, torch.Tensor] | None = None,
         lengths: torch.Tensor | None = None,
         layers: int = 1,
+        window: int | None = None,
+        seen: torch.Tensor | int | None = None,
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
@@ -89,6 +94,13 @@ class TokenState:
         self._derived: dict[str, torch.Tensor] = dict(derived or {})
         self._lengths = lengths
         self.layers = layers
+        self.window, self.seen = window, seen
+
+    def outside_window(self) -> torch.Tensor | None:
+        """Bool [H, n]: entries the next query cannot see (a sliding-window layer's), or None."""
+        if self.window is None or self.seen is None:
+            return None
+        return self.positions <= self.seen - self.window
 
     def derived(self, name: str, compute: Callable[["TokenState"], torch.Tensor]) -> torch.Tensor:
         """A quantity computed from this state once, shared by the parts that read it (RoCo's mean
@@ -249,10 +261,15 @@ class Policy:
     positions: str = "absolute"
     # Stages the policy refuses (read by config validation); derived from the score when not given.
     unsupported_stages: tuple[str, ...] | None = None
+    # Sliding-window layers of a hybrid model: "window" (they hold their window, the budget is the full-attention
+    # layers') or "evict" (the policy evicts there too, to at most the window). See kvbench.engine.plan.
+    sliding_layers: str = "window"
 
     def __post_init__(self) -> None:
         if self.positions not in POSITION_MODES:
             raise ValueError(f"positions {self.positions!r} must be one of {POSITION_MODES}")
+        if self.sliding_layers not in SLIDING_MODES:
+            raise ValueError(f"sliding_layers {self.sliding_layers!r} must be one of {SLIDING_MODES}")
         if self.unsupported_stages is None:
             self.unsupported_stages = tuple(self.score.unsupported_stages) if self.evicts else ()
 
@@ -289,8 +306,13 @@ class Policy:
         return self.allocation.layer_budgets(budget, n_layers, limit, self.scope.reserved(budget))
 
     def scored(self, state: TokenState, budget: int, padding: float = float("-inf")) -> torch.Tensor:
-        """Scores with protected entries at +inf and padding at ``padding`` (-inf: never kept), float32 [H, n]."""
+        """Scores with protected entries at +inf and padding at ``padding`` (-inf: never kept), float32 [H, n]. In a
+        sliding-window layer the entries its next query cannot see rank last, whatever the scope protects: the
+        budget is spent on what attention can still read."""
         scores = self.scope.shield(self.score(state).to(torch.float32), state, budget)
+        outside = state.outside_window()
+        if outside is not None:
+            scores = scores.masked_fill(outside, float("-inf"))
         if state.valid is not None:
             scores = scores.masked_fill(~state.valid, padding)
         return scores

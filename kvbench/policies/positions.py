@@ -9,8 +9,13 @@ head's kept keys are rotated to the positions P - len_h … P - 1 just before th
 To keep that exact over any number of steps, a reindexing cache stores keys *un-rotated* (the rotation of
 the position they were fed at is undone once, on write) and rotates them to their current positions when
 the attention reads them; re-rotating stored keys in place every step would accumulate rounding error.
-Only Llama-style RoPE (rotate-half, one static frequency table, possibly on a leading part of the head) is
-supported; models without RoPE, or with dynamic/multiple RoPE tables, get a clear error.
+
+That needs the model's exact RoPE for every layer: its pair layout (rotate-half or interleaved, see
+``LAYOUTS``), the leading dims it rotates, the frequency table it really uses (read from its buffers, so
+rope scaling variants match) and the factor it multiplies cos/sin by (YaRN). It is exact only for static
+tables: ``dynamic`` and ``longrope`` switch tables with the sequence length, so a key's rotation could not be
+undone later, and models without RoPE (learned positions, ALiBi) have nothing to reindex. ``reindex_refusal``
+decides that from the config alone, before any weights load.
 """
 from __future__ import annotations
 
@@ -18,48 +23,172 @@ from typing import Any
 
 import torch
 
-UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
+# model_type -> how RoPE pairs the dims it rotates: "half" pairs i with i + rot/2 (Llama's rotate_half),
+# "interleaved" pairs 2i with 2i + 1 (rotate-every-two). Each entry is checked against the family's own code.
+LAYOUTS: dict[str, str] = {
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3",
+                     "stablelm", "starcoder2", "olmo", "olmo2", "gemma", "gemma2", "gemma3_text", "gpt_neox",
+                     "falcon"), "half"),
+    **dict.fromkeys(("cohere", "cohere2", "gptj"), "interleaved"),
+}
+# Families known to encode positions without RoPE, and how.
+NO_ROPE: dict[str, str] = {
+    **dict.fromkeys(("opt", "gpt2", "gpt_bigcode", "gpt_neo", "biogpt", "xglm"),
+                    "learned absolute position embeddings"),
+    **dict.fromkeys(("bloom", "mpt"), "ALiBi attention biases"),
+}
+# rope_types whose frequency table is fixed at load: un-rotating then re-rotating is exact.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+ABSOLUTE = "use positions=absolute (override: policy.positions=absolute)"
 
 
 class Rotary:
-    """Rotate vectors to (or back from) RoPE positions, with the model's frequency table."""
+    """One layer's RoPE: ``rotate`` does what the model does to a key at a position, ``unrotate`` undoes it."""
 
-    def __init__(self, inv_freq: torch.Tensor):
-        self.inv_freq = inv_freq.detach().to(torch.float32)
-        self.rot_dim = 2 * self.inv_freq.shape[0]
+    def __init__(self, inv_freq: torch.Tensor, layout: str = "half", scale: float = 1.0):
+        if layout not in ("half", "interleaved"):
+            raise ValueError(f"unknown RoPE layout {layout!r}")
+        self.inv_freq = inv_freq.detach().flatten().to(torch.float32).clone()
+        self.rot_dim = 2 * self.inv_freq.shape[0]  # leading dims rotated; the rest pass through
+        self.layout = layout
+        self.scale = float(scale)  # the model multiplies cos and sin by it (YaRN's attention factor)
+
+    @classmethod
+    def identity(cls) -> "Rotary":
+        """A layer that applies no RoPE (e.g. Cohere2's global layers): nothing to rotate."""
+        return cls(torch.zeros(0))
+
+    def same_as(self, other: "Rotary") -> bool:
+        return (self.layout, self.scale, self.rot_dim) == (other.layout, other.scale, other.rot_dim) and bool(
+            torch.equal(self.inv_freq, other.inv_freq))
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [..., n, D] rotated by ``positions`` [..., n] (negative positions undo a rotation)."""
-        inv = self.inv_freq.to(x.device)
-        angle = positions.to(torch.float32).unsqueeze(-1) * inv  # [..., n, rot/2]
-        cos = torch.cat((angle.cos(), angle.cos()), dim=-1)
-        sin = torch.cat((angle.sin(), angle.sin()), dim=-1)
+        """x [..., n, D] as the model rotates it at ``positions`` [..., n]. With ``scale == 1`` negative
+        positions undo a rotation; otherwise use ``unrotate`` (which divides the scale out)."""
+        return self._apply(x, positions, self.scale)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``rotate(., positions)``: keys as they were before the model's RoPE."""
+        return self._apply(x, -positions, 1.0 / self.scale)
+
+    def _apply(self, x: torch.Tensor, positions: torch.Tensor, factor: float) -> torch.Tensor:
+        if self.rot_dim == 0:
+            return x
+        angle = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(x.device)  # [..., n, rot/2]
+        cos, sin = angle.cos(), angle.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
         xr = x[..., : self.rot_dim].to(torch.float32)
-        half = self.rot_dim // 2
-        rotated_half = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-        out = (xr * cos + rotated_half * sin).to(x.dtype)
+        if self.layout == "half":
+            half = self.rot_dim // 2
+            x1, x2 = xr[..., :half], xr[..., half:]
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        out = out.to(x.dtype)
         if self.rot_dim == x.shape[-1]:
             return out
         return torch.cat((out, x[..., self.rot_dim :]), dim=-1)
 
 
+def _rope_parameters(config: Any) -> list[dict]:
+    """The config's RoPE parameter dicts: one, or one per layer type (Gemma 3)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return list(params.values())
+    return [params]
+
+
+def reindex_refusal(config: Any, name: str | None = None) -> str | None:
+    """Why ``positions=reindex`` cannot run on a model with this config (one line, with what to do), or None.
+    Needs no weights, so a run can refuse before loading them. ``name`` names the model in the message."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(config, "model_type", None)
+    name = name or str(model_type)
+    lead = "positions=reindex re-rotates kept keys with RoPE"
+    if model_type in NO_ROPE or (model_type == "falcon" and getattr(config, "alibi", False)):
+        how = NO_ROPE.get(model_type, "ALiBi attention biases")
+        return (f"{lead}; {model_type} encodes positions with {how}, "
+                f"so {name} has no rotary position embedding; {ABSOLUTE}")
+    if model_type not in LAYOUTS:
+        return (f"{lead}, but {name} (model_type {model_type!r}) is not a family whose RoPE it knows "
+                f"(supported: {', '.join(sorted(LAYOUTS))}); {ABSOLUTE}")
+    for params in _rope_parameters(config):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in STATIC_ROPE_TYPES:
+            why = {"dynamic": "recomputes its frequencies as the sequence grows",
+                   "longrope": "switches frequency tables with the sequence length"}.get(
+                "dynamic" if "dynamic" in rope_type else rope_type, "is not known to keep one static table")
+            return (f"{lead}, which is exact only for a static table, but {name} uses rope_type={rope_type!r}, "
+                    f"which {why} (static types: {', '.join(STATIC_ROPE_TYPES)}); {ABSOLUTE}")
+    return None
+
+
+def _rotary_module(model: Any, text_config: Any) -> Any:
+    """The module holding the decoder's RoPE table(s); for multimodal models, the language model's."""
+    found = [m for m in model.modules() if "rotary" in type(m).__name__.lower()
+             and any(n.endswith("inv_freq") or n == "embed_positions" for n, _ in m.named_buffers(recurse=False))]
+    ours = [m for m in found if getattr(m, "config", None) is text_config] or found
+    if not ours:
+        raise ValueError(f"positions=reindex found no rotary embedding module in {type(model).__name__}; {ABSOLUTE}")
+    if len(ours) > 1:
+        raise ValueError(f"positions=reindex found {len(ours)} rotary embedding modules in {type(model).__name__} "
+                         f"and cannot tell which the decoder uses; {ABSOLUTE}")
+    return ours[0]
+
+
+def _gptj_inv_freq(table: torch.Tensor) -> torch.Tensor:
+    """GPT-J keeps no inv_freq, only a [max_pos, rot] table of sin | cos: rebuild the frequencies by its own
+    formula (base 10000, not configurable) and check they reproduce the model's table."""
+    dim = table.shape[-1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))
+    angle = torch.arange(table.shape[0], dtype=torch.int64).float()[:, None] * inv_freq
+    if not torch.allclose(torch.cat((angle.sin(), angle.cos()), dim=1), table.float().cpu(), atol=1e-2):
+        raise ValueError(f"positions=reindex: this GPT-J's sin/cos table is not standard RoPE; {ABSOLUTE}")
+    return inv_freq.to(table.device)
+
+
+def _layer_has_rope(config: Any, layer: int) -> bool:
+    """Cohere2 applies RoPE only in its sliding-window layers; every other supported family in all layers."""
+    if config.model_type == "cohere2":
+        return config.layer_types[layer] == "sliding_attention" and config.sliding_window is not None
+    return True
+
+
+def layer_rotaries(model: Any) -> list[Rotary]:
+    """One ``Rotary`` per decoder layer, with the tables the model itself uses (Gemma 3's sliding and full layers
+    differ), or a ValueError with ``reindex_refusal``'s message. Layers with equal tables share one object."""
+    text = model.config.get_text_config()
+    refusal = reindex_refusal(model.config, type(model).__name__)
+    if refusal:
+        raise ValueError(refusal)
+    layout = LAYOUTS[text.model_type]
+    module = _rotary_module(model, text)
+    out: list[Rotary] = []
+    for layer in range(text.num_hidden_layers):
+        if not _layer_has_rope(text, layer):
+            rot = Rotary.identity()
+        elif hasattr(module, "embed_positions"):
+            rot = Rotary(_gptj_inv_freq(module.embed_positions), layout)
+        elif isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            rot = Rotary(module.inv_freq, layout, getattr(module, "attention_scaling", 1.0))
+        else:  # one table per layer type (Gemma 3): buffers "<layer_type>_inv_freq"
+            kind = text.layer_types[layer]
+            rot = Rotary(getattr(module, f"{kind}_inv_freq"), layout, getattr(module, f"{kind}_attention_scaling", 1.0))
+        out.append(next((r for r in out if r.same_as(rot)), rot))
+    return out
+
+
 def find_rotary(model: Any) -> Rotary:
-    """The model's rotary embedding, or a ValueError saying why ``reindex`` cannot run on it."""
-    found = []
-    for module in model.modules():
-        inv = getattr(module, "inv_freq", None)
-        if isinstance(inv, torch.Tensor) and "rotary" in type(module).__name__.lower():
-            found.append(module)
+    """The single rotary every layer shares, for callers that apply one to all layers and undo with negative
+    positions; a ValueError when the model's layers differ or it scales cos/sin (use ``layer_rotaries``)."""
+    rotaries = layer_rotaries(model)
     name = type(model).__name__
-    if not found:
-        raise ValueError(
-            f"positions=reindex re-rotates kept keys with RoPE, but {name} has no rotary position embedding; "
-            "use positions=absolute"
-        )
-    tables = {tuple(m.inv_freq.flatten().tolist()) for m in found}
-    if len(tables) > 1:
-        raise ValueError(f"positions=reindex supports one RoPE frequency table; {name} has {len(tables)}")
-    rope_type = getattr(found[0], "rope_type", "default")
-    if rope_type in UNSUPPORTED_ROPE_TYPES:
-        raise ValueError(f"positions=reindex needs a static RoPE; {name} uses rope_type={rope_type!r}")
-    return Rotary(found[0].inv_freq)
+    if any(not r.same_as(rotaries[0]) for r in rotaries):
+        raise ValueError(f"positions=reindex: {name} uses different RoPE tables per layer; the cache must use "
+                         f"layer_rotaries(model), or {ABSOLUTE}")
+    if rotaries[0].scale != 1.0:
+        raise ValueError(f"positions=reindex: {name} scales cos/sin by {rotaries[0].scale:g}, so undoing needs "
+                         f"Rotary.unrotate (layer_rotaries), not negative positions; {ABSOLUTE}")
+    return rotaries[0]

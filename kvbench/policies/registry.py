@@ -10,6 +10,7 @@ A policy config names its parts and carries their options (every option is a Hyd
     merge: false                          # fold evicted entries into their most similar kept entry
     quantize: none                        # none | int8 | fp8
     positions: absolute                   # absolute | reindex
+    sliding_layers: window                # window | evict (hybrid models' sliding layers; see engine.plan)
 
 A score may carry ``shared: true`` (one kept set per layer: the score averaged over KV heads).
 """
@@ -24,7 +25,7 @@ from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scopes import SCOPES, Everything
 from kvbench.policies.scores import SCORES, Recency, SharedAcrossHeads
 
-POLICY_KEYS = ("name", "score", "scope", "allocation", "merge", "quantize", "positions")
+POLICY_KEYS = ("name", "score", "scope", "allocation", "merge", "quantize", "positions", "sliding_layers")
 
 
 def _options(spec: Any) -> dict[str, Any]:
@@ -63,10 +64,11 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     quantize = build_quantizer(cfg.get("quantize"))
     positions = cfg.get("positions") or "absolute"
     merge = _flag(cfg.get("merge", False), "merge")
+    sliding = cfg.get("sliding_layers") or "window"
     score_spec = cfg.get("score", "none")
     if score_spec in (None, "none"):
         return Policy(name=name, score=Recency(), scope=Everything(), evicts=False, quantize=quantize,
-                      positions=positions)
+                      positions=positions, sliding_layers=sliding)
     options = _options(score_spec)
     shared = _flag(options.pop("shared", False), "score.shared")
     score = _part(SCORES, options, "score")
@@ -77,4 +79,4 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     if allocation.per_head and shared:
         raise ValueError("score.shared=true keeps one set per layer; it cannot combine with allocation=adaptive")
     return Policy(name=name, score=score, scope=scope, allocation=allocation, merge=merge, quantize=quantize,
-                  positions=positions)
+                  positions=positions, sliding_layers=sliding)

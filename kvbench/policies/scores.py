@@ -129,14 +129,23 @@ class Hits(Score):
 
 
 class ObservationWindow(Score):
-    """SnapKV: attention from the last ``window`` queries (the prompt's observation window), summed over those
-    queries, then pooled over neighbouring held entries (1-D ``pooling`` "avg" or "max" with an odd
-    ``kernel_size``, stride 1, zero-padded at the edges as SnapKV's avg_pool1d) so that a kept token brings its
-    neighbourhood. The window is the layer's query log, so with a chunked prompt it still spans the last
-    ``window`` prompt queries across chunks. Needs a prompt: refused in stage=decode.
+    """SnapKV: the attention the last ``window`` queries (the observation window) paid each earlier entry, summed
+    over those queries, then pooled over neighbouring held entries (1-D ``pooling`` "avg" or "max" with an odd
+    ``kernel_size``, stride 1) so that a kept token brings its neighbourhood.
+
+    The window is the layer's query log: the last ``window`` tokens fed, prompt and decode alike, so with a
+    chunked prompt it still spans the last ``window`` prompt queries across chunks. Its own entries are those
+    with ``count <= window`` (tokens fed since the entry, itself included), found by ``count`` and not by index:
+    a head need not hold all of them, nor hold them last. As in SnapKV's reference and kvpress, the pooling stops
+    at the window: the entries before it (the prefix) are pooled as avg_pool1d (zero padding counted) or
+    max_pool1d (-inf padding) of the prefix alone would pool them, so the window's attention to itself never
+    spills into the entries next to it. The window's entries are not pooled: they score their own summed
+    attention. SnapKV always keeps them; here the scope protects them (configs/policy/snapkv.yaml), so their
+    scores only matter under a scope that does not. Padding entries (per-head allocation, padded stacks) hold
+    zero statistics and pool with the prefix, as zeros, as before. Needs a prompt: refused in stage=decode.
     """
 
-    needs = frozenset({"qlog"})
+    needs = frozenset({"qlog", "count"})
     unsupported_stages = ("decode",)
     why_unsupported = "SnapKV scores the prompt from its observation window and compresses the prompt only"
 
@@ -152,26 +161,49 @@ class ObservationWindow(Score):
         self.kernel_size = int(kernel_size)
         self.pooling = pooling
 
+    def in_window(self, state: TokenState) -> torch.Tensor:
+        """Bool [H, n]: the entries of the last ``window`` tokens fed (never padding). A state without ``count``
+        (one built by hand) takes each head's newest held entry as the last token fed."""
+        if "count" in state.stats:
+            count = state.stats["count"]
+        else:
+            newest = state.positions if state.valid is None else state.positions.masked_fill(~state.valid, -1)
+            count = newest.amax(dim=-1, keepdim=True) + 1 - state.positions
+        window = count <= self.window
+        return window if state.valid is None else window & state.valid
+
     def __call__(self, state: TokenState) -> torch.Tensor:
         summed = logged_sum(state)
-        return pool_neighbours(summed, self.kernel_size, self.pooling)
+        if self.kernel_size == 1:
+            return summed
+        return pool_neighbours(summed, self.kernel_size, self.pooling, self.in_window(state))
 
 
-def pool_neighbours(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+def pool_neighbours(scores: torch.Tensor, kernel_size: int, pooling: str,
+                    window: torch.Tensor | None = None) -> torch.Tensor:
     """1-D pooling along the token axis, same length out: [H, n] -> [H, n]. What SnapKV's avg_pool1d (zero
     padding counted) or max_pool1d computes, as ``kernel_size`` shifted adds (or maxima) of a padded copy: several
-    times faster than the pooling kernels on a [heads, n] matrix."""
+    times faster than the pooling kernels on a [heads, n] matrix.
+
+    ``window`` (bool [H, n]): entries left out of the pooling. The others read them as padding (0 for avg, -inf
+    for max), so that entries before a window at a row's end get exactly the pooling of that prefix alone; the
+    window's entries keep their own ``scores``, unpooled. ``scores`` is never written."""
     if kernel_size == 1:
         return scores
     pad, n = kernel_size // 2, scores.shape[-1]
-    padded = F.pad(scores, (pad, pad), value=0.0 if pooling == "avg" else float("-inf"))
+    fill = 0.0 if pooling == "avg" else float("-inf")
+    padded = F.pad(scores, (pad, pad), value=fill)
+    if window is not None:
+        padded[:, pad : pad + n].masked_fill_(window, fill)
     out = padded[:, :n] + padded[:, 1 : n + 1] if pooling == "avg" else torch.maximum(padded[:, :n], padded[:, 1 : n + 1])
     for i in range(2, kernel_size):
         if pooling == "avg":
             out += padded[:, i : i + n]
         else:
             torch.maximum(out, padded[:, i : i + n], out=out)
-    return out / kernel_size if pooling == "avg" else out
+    if pooling == "avg":
+        out /= kernel_size
+    return out if window is None else torch.where(window, scores, out)
 
 
 class KeyNorm(Score):

@@ -1,0 +1,83 @@
+"""How much each layer holds: the budget's meaning on full-attention and sliding-window layers.
+
+A full-attention layer holds the policy's budget (split across layers by the policy's allocation). On a hybrid
+model (sliding and full layers, as Gemma 2/3 or Qwen2 with ``use_sliding_window``), by default a sliding layer
+holds at most its window and no more: what serving engines do, and exact, since its next query sees only the
+window. ``policy.sliding_layers=evict`` applies the policy inside sliding layers too, at ``min(budget, window -
+1)``. A model whose every layer slides (Mistral v0.1) has no other layer to spend a budget on, so there the
+policy always evicts in the sliding layers, holding at most min(budget, window - 1) entries.
+"""
+from __future__ import annotations
+
+from kvbench.engine.cache import LayerPlan
+from kvbench.policies.base import Policy
+from kvbench.policies.scopes import Everything
+from kvbench.policies.scores import Recency
+
+
+def plan_capacity(stage: str, budget: int | None, context: int, suffix: int, max_new: int, chunk: int) -> int:
+    """The most tokens a layer ever holds under this schedule (pre-allocated once)."""
+    total = context + suffix + max_new
+    if budget is None:
+        return total
+    prefill_evicts = stage in ("prefill", "both")
+    decode_evicts = stage in ("decode", "both")
+    held_in_prefill = min(context, budget + chunk) if prefill_evicts else context
+    after_prefill = min(context, budget) if prefill_evicts else context
+    after_suffix = after_prefill + suffix
+    if decode_evicts:
+        peak = max(held_in_prefill, max(after_suffix, budget) + 1)
+    else:
+        peak = max(held_in_prefill, after_suffix + max_new)
+    return min(total, peak)
+
+
+def evicts_in_sliding_layers(policy: Policy, windows: list[int | None]) -> bool:
+    """Whether the policy evicts inside the sliding layers (else they only hold their window)."""
+    sliding = [w is not None for w in windows]
+    return policy.evicts and any(sliding) and (policy.sliding_layers == "evict" or all(sliding))
+
+
+def sliding_problem(policy: Policy, windows: list[int | None]) -> str | None:
+    """What this policy cannot do on these layers, or None: merging would fold entries that left the window
+    (never visible again) into kept ones, changing the model's function even at a full budget."""
+    if policy.merge and evicts_in_sliding_layers(policy, windows):
+        return ("policy.merge=true cannot evict inside sliding-window layers (an entry that left the window would "
+                "be folded into kept ones); use policy.sliding_layers=window on a hybrid model, or merge=false")
+    return None
+
+
+def window_only(policy: Policy) -> Policy:
+    """What a sliding layer runs when the policy leaves it alone: it holds its window, stored as the policy
+    stores entries (quantised, re-indexed)."""
+    return Policy(name=policy.name, score=Recency(), scope=Everything(), evicts=False, quantize=policy.quantize,
+                  positions=policy.positions)
+
+
+def plan_layers(policy: Policy, budget: int | None, windows: list[int | None], stage: str, context: int,
+                suffix: int, max_new: int, chunk: int) -> list[LayerPlan]:
+    """One plan per decoder layer (``windows``: each layer's sliding window, None for full attention)."""
+    problem = sliding_problem(policy, windows)
+    if problem:
+        raise ValueError(problem)
+    in_sliding = evicts_in_sliding_layers(policy, windows)
+    evicting = [i for i, w in enumerate(windows) if w is None or in_sliding]
+    budgets: dict[int, int | None] = dict.fromkeys(range(len(windows)))
+    if budget is not None and evicting:
+        # No layer needs more than it will ever hold in an evicting step.
+        limit = context if stage == "prefill" else context + suffix + max_new
+        budgets.update(zip(evicting, policy.layer_budgets(budget, len(evicting), limit)))
+    plans, held_window = [], window_only(policy)
+    for i, window in enumerate(windows):
+        b = budgets[i]
+        if window is None:
+            plans.append(LayerPlan(b, plan_capacity(stage, b, context, suffix, max_new, chunk)))
+            continue
+        hold_cap = plan_capacity("both", window - 1, context, suffix, max_new, chunk)
+        if i in evicting and b is not None:
+            b = min(b, window - 1)
+            cap = min(hold_cap, plan_capacity(stage, b, context, suffix, max_new, chunk))
+            plans.append(LayerPlan(b, cap, window))
+        else:
+            plans.append(LayerPlan(None, hold_cap, window, policy=held_window))
+    return plans

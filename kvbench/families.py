@@ -1,0 +1,76 @@
+"""Which model families kvbench runs exactly, decided from the config alone, before any weights load.
+
+kvbench computes attention itself (``kvbench.engine.attention``), so it can only run a family whose attention
+goes through transformers' attention interface, and only with the arguments that interface hands over
+implemented (sliding window, softcap, scaling). A family whose modules compute attention in their own code
+(Falcon, Bloom, MPT) would bypass the cache entirely: it is refused here, never run and labelled ``ok``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Families that hand the attention interface an argument kvbench does not implement.
+UNIMPLEMENTED = {"gpt_oss": "learned attention sinks (s_aux)"}
+
+
+class UnsupportedModel(ValueError):
+    """A model kvbench cannot run exactly; the message says why and what to do."""
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config (multimodal configs nest it)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def causal_lm_class(config: Any) -> type | None:
+    """The class ``AutoModelForCausalLM`` would build for this config (imported, not instantiated)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if isinstance(name, (list, tuple)):
+        name = name[0]
+    return getattr(transformers, name, None) if name else None
+
+
+def support_error(config: Any) -> str | None:
+    """Why kvbench cannot run this model exactly (one line naming what to do), or None."""
+    family = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        return f"model family {family!r} is an encoder-decoder; kvbench runs decoder-only causal LMs"
+    cls = causal_lm_class(config)
+    if cls is None:
+        return f"model family {family!r} has no causal-LM class in transformers; kvbench runs decoder-only LMs"
+    if not getattr(cls, "_supports_attention_backend", False):
+        return (f"model family {family!r} ({cls.__name__}) computes attention in its own code, not through "
+                "transformers' attention interface, so kvbench could neither see nor evict its cache; use a family "
+                "listed in the README's family table")
+    if family in UNIMPLEMENTED:
+        return (f"model family {family!r} needs {UNIMPLEMENTED[family]}, which kvbench's attention does not "
+                "implement; use a family listed in the README's family table")
+    unknown = sorted(set(getattr(text_config(config), "layer_types", None) or ()) - set(LAYER_TYPES))
+    if unknown:
+        return (f"model family {family!r} has layers of type {', '.join(unknown)}; kvbench implements "
+                f"{', '.join(LAYER_TYPES)} only")
+    return None
+
+
+def check_supported(config: Any) -> None:
+    problem = support_error(config)
+    if problem:
+        raise UnsupportedModel(problem)
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as the model's attention modules apply it:
+    per ``layer_types`` where the config has them, else the config's ``sliding_window`` on every layer (Mistral,
+    Phi-3, Starcoder2). The attention function checks every step that the model agrees."""
+    config = text_config(config)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
+    if types:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    return [window] * n
