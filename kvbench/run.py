@@ -141,6 +141,11 @@ def _generation_fields(g: Generation) -> dict[str, Any]:
         "seen_tokens": g.seen_tokens,
         "kv_resident_bytes": g.kv_resident_bytes,
         "kv_resident_peak_bytes": g.kv_resident_peak_bytes,
+        # Hybrid models: the full-attention layers (the budget's) and the sliding layers (their window) apart.
+        "budget_achieved_full": g.budget_achieved_full,
+        "budget_achieved_sliding": g.budget_achieved_sliding,
+        "kv_resident_bytes_full": g.kv_resident_bytes_full,
+        "kv_resident_bytes_sliding": g.kv_resident_bytes_sliding,
         "kv_capacity_bytes": g.kv_capacity_bytes,
         "peak_memory_prefill_bytes": g.peak_memory_prefill_bytes,
         "peak_memory_bytes": g.peak_memory_bytes,

@@ -1,0 +1,207 @@
+"""Every supported family exact, or refused before its weights load.
+
+References are the family's own: ``model.generate`` with its eager attention, and masked replay through the
+family's eager attention over transformers' own cache (tests/family_models.py), never kvbench's attention.
+"""
+from __future__ import annotations
+
+import glob
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from family_models import FAMILIES, REFUSED, SLIDING, WINDOW, build, eager_replay, family_config, family_greedy
+from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.families import layer_windows, support_error
+from kvbench.policies.registry import build_policy
+
+from conftest import CONFIG_DIR
+
+NAMED = {}
+for path in sorted(glob.glob(str(CONFIG_DIR / "policy" / "*.yaml"))):
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    NAMED[cfg["name"]] = cfg
+PROMPT, NEW = 20, 8
+NO_ROPE = ("opt", "gpt2")
+
+
+def named(name: str, **extra) -> dict:
+    return NAMED[name] | extra
+
+
+def stages(policy: dict) -> list[str]:
+    return [s for s in ("prefill", "decode", "both") if s not in build_policy(policy).unsupported_stages]
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_policy_at_a_budget_of_the_length_equals_the_familys_generate(family, prompt):
+    model = build(family)
+    ref_tokens, ref_logits = family_greedy(model, prompt, NEW)
+    variants = [named(name) for name in NAMED]
+    if family in SLIDING:
+        variants += [named(name, sliding_layers="evict") for name in ("h2o", "tova", "snapkv", "adakv", "window")]
+    if family not in NO_ROPE:  # kept keys re-rotated in the family's own RoPE layout (per layer where it differs)
+        variants += [named(name, positions="reindex") for name in ("streamingllm", "h2o", "adakv")]
+    for policy in variants:
+        for stage in stages(policy):
+            stride = None if stage == "prefill" else 7  # one chunk, and chunks shorter than the window and longer
+            g = generate(model, None, prompt, build_policy(policy), PROMPT + NEW, stage,
+                         DecodeSettings(max_new_tokens=NEW), stride=stride, return_logits=True)
+            where = f"{family} {policy['name']} {policy.get('sliding_layers', '')} {stage} stride={stride}"
+            assert g.tokens == ref_tokens, where
+            torch.testing.assert_close(g.logits, ref_logits, rtol=1e-5, atol=1e-5, msg=where)
+
+
+REPLAYED = ["window", "streamingllm", "h2o", "tova", "roco", "scissorhands", "snapkv", "pyramidkv", "adakv", "knorm"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_eviction_equals_the_familys_eager_attention_masked_to_the_kept_set(family, prompt):
+    model = build(family)
+    checked, moved = 0, 0.0
+    variants = [(name, {}) for name in REPLAYED]
+    if family in SLIDING:
+        variants += [(name, {"sliding_layers": "evict"}) for name in ("h2o", "adakv", "window")]
+    for name, extra in variants:
+        policy = named(name, **extra)
+        for stage, stride in (("both", 7), (stages(policy)[-1], None), ("prefill", None)):
+            if stage not in stages(policy):
+                continue
+            built = build_policy(policy)
+            budget = max(4, built.scope.min_budget())
+            g = generate(model, None, prompt, built, budget, stage, DecodeSettings(max_new_tokens=NEW),
+                         stride=stride, return_logits=True, trace=True)
+            where = f"{family} {name} {extra} {stage} stride={stride}"
+            replayed = eager_replay(model, prompt, g.tokens, g.trace, stride)
+            torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4, msg=where)
+            checked += 1
+            # The comparison has teeth: without the kept-set mask the family's attention gives other logits.
+            moved = max(moved, float((eager_replay(model, prompt, g.tokens, None, stride) - g.logits).abs().max()))
+    assert moved > 1e-2
+    assert checked >= len(variants)
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_sliding_layers_never_hold_more_than_their_window(family, prompt):
+    model = build(family)
+    windows = layer_windows(model.config)
+    for policy in (named("full"), named("h2o"), named("h2o", sliding_layers="evict"), named("adakv")):
+        for stage in stages(policy):
+            g = generate(model, None, prompt, build_policy(policy), 0.5, stage, DecodeSettings(max_new_tokens=NEW),
+                         stride=5, trace=True)
+            for layers in g.trace:
+                for window, held in zip(windows, layers):
+                    if window is not None:
+                        assert held.shape[-1] <= window - 1, (family, policy["name"], stage)
+            assert g.kv_resident_bytes_sliding is not None
+
+
+def test_budget_applies_to_full_attention_layers_of_a_hybrid_model(prompt):
+    """Gemma 3's sliding layers hold their window (5 entries); the full layer holds the policy's budget; with
+    sliding_layers=evict the sliding layers hold min(budget, window - 1)."""
+    model = build("gemma3")
+    for extra, sliding_held in (({}, WINDOW - 1), ({"sliding_layers": "evict"}, 3)):
+        g = generate(model, None, prompt, build_policy(named("h2o", **extra)), 3, "both",
+                     DecodeSettings(max_new_tokens=NEW), trace=True)
+        *sliding, full = g.trace[-1]
+        assert full.shape[-1] == 3
+        assert all(layer.shape[-1] == sliding_held for layer in sliding)
+        row_bytes = 2 * 16 * 4  # K and V of one head, float32
+        assert g.kv_resident_bytes_full == 3 * row_bytes
+        assert g.kv_resident_bytes_sliding == 2 * sliding_held * row_bytes
+        assert g.kv_resident_bytes == g.kv_resident_bytes_full + g.kv_resident_bytes_sliding
+        seen = PROMPT + NEW - 1
+        assert g.budget_achieved_full == pytest.approx(3 / seen)
+        assert g.budget_achieved_sliding == pytest.approx(sliding_held / seen)
+
+
+def test_an_all_sliding_model_holds_the_budget_or_its_window(prompt):
+    model = build("mistral-window")
+    for budget, held in ((3, 3), (100, WINDOW - 1)):
+        g = generate(model, None, prompt, build_policy(named("h2o")), budget, "both",
+                     DecodeSettings(max_new_tokens=NEW), trace=True)
+        assert all(layer.shape[-1] == held for layer in g.trace[-1])
+        assert g.kv_resident_bytes_full is None
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_layer_windows_from_the_config_are_the_windows_the_model_attends_with(family):
+    """What kvbench plans from the config alone equals what each attention module hands the interface."""
+    seen = {}
+
+    def spy(module, query, key, value, mask, **kwargs):
+        seen[module.layer_idx] = kwargs.get("sliding_window")
+        return torch.zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("kvbench_spy", spy)
+    model = build(family)
+    model.set_attn_implementation("kvbench_spy")
+    model(torch.tensor([[1, 2, 3]]))
+    assert [seen[i] for i in range(len(seen))] == layer_windows(family_config(family))
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_families_that_bypass_the_attention_interface_are_refused_from_the_config(family):
+    config_cls, options = REFUSED[family]
+    problem = support_error(config_cls(**options))
+    assert problem and "attention interface" in problem and family in problem
+
+
+def test_supported_families_pass_the_config_check():
+    for family in FAMILIES:
+        assert support_error(family_config(family)) is None, family
+
+
+def test_a_refused_family_fails_in_generate_before_running(prompt):
+    config_cls, options = REFUSED["falcon"]
+    model = tf_model(config_cls(**options))
+    with pytest.raises(ValueError, match="attention interface"):
+        generate(model, None, prompt, build_policy(named("full")), 1.0, "prefill", DecodeSettings(max_new_tokens=2))
+
+
+def tf_model(config):
+    import transformers
+
+    from kvbench.families import causal_lm_class
+
+    assert causal_lm_class(config) is not None
+    return getattr(transformers, causal_lm_class(config).__name__)(config).eval()
+
+
+@pytest.mark.parametrize("family", NO_ROPE)
+def test_reindex_is_refused_on_families_without_rope(family, prompt):
+    from kvbench.policies.positions import reindex_refusal
+
+    assert "positions=absolute" in reindex_refusal(family_config(family))
+    with pytest.raises(ValueError, match="positions=absolute"):
+        generate(build(family), None, prompt, build_policy(named("streamingllm", positions="reindex")), 0.5,
+                 "prefill", DecodeSettings(max_new_tokens=2))
+
+
+def test_merge_is_refused_where_sliding_layers_would_evict(prompt):
+    model = build("mistral-window")
+    with pytest.raises(ValueError, match="merge"):
+        generate(model, None, prompt, build_policy(named("h2o", merge=True)), 0.5, "both",
+                 DecodeSettings(max_new_tokens=2))
+    # On a hybrid model merging runs in the full-attention layers (the sliding ones hold their window).
+    g = generate(build("gemma3"), None, prompt, build_policy(named("h2o", merge=True)), 0.5, "both",
+                 DecodeSettings(max_new_tokens=2))
+    assert len(g.tokens) == 2
+
+
+def test_family_table_in_readme_lists_every_tested_family():
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    for family in list(FAMILIES) + list(REFUSED):
+        assert f"`{family}`" in readme, family
+    json.dumps(SLIDING)
