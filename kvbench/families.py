@@ -74,3 +74,15 @@ def layer_windows(config: Any) -> list[int | None]:
     if types:
         return [window if kind == "sliding_attention" else None for kind in types]
     return [window] * n
+
+
+def policy_problem(config: Any, policy: Any) -> str | None:
+    """Why this policy cannot run exactly on this model (a family that bypasses the attention interface,
+    re-indexed positions without a RoPE kvbench can re-rotate, merging inside sliding layers), or None."""
+    from kvbench.engine.plan import sliding_problem
+    from kvbench.policies.positions import reindex_refusal
+
+    problem = support_error(config)
+    if problem is None and policy.evicts and policy.positions == "reindex":
+        problem = reindex_refusal(config)
+    return problem or sliding_problem(policy, layer_windows(config))

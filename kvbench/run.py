@@ -22,7 +22,8 @@ from kvbench.engine.generate import DecodeSettings, Generation, generate, refere
 from kvbench.fidelity import (ReferenceStore, default_reference_dir, generated_reference, prompt_hash,
                               reference_key, store_at)
 from kvbench.metrics.fidelity import fidelity_rouge_l, kl_divergence, top1_agreement, topk_mass
-from kvbench.models import LoadedModel, load_model, load_tokenizer
+from kvbench.families import policy_problem
+from kvbench.models import LoadedModel, load_config, load_model, load_tokenizer
 from kvbench.provenance import provenance
 from kvbench.results import CellBusy, CellConflict, CellResults, summarize, write_error
 from kvbench.tasks.base import Example, RenderedPrompt, Task
@@ -72,8 +73,16 @@ def _warm_up(lm: LoadedModel) -> None:
              DecodeSettings(max_new_tokens=4))
 
 
+def check_model_support(spec: RunSpec) -> None:
+    """Refuse from the model's config alone (no weights) what kvbench cannot run exactly on it."""
+    problem = policy_problem(load_config(**spec.model), spec.policy)
+    if problem:
+        raise ConfigError(f"model={spec.model['name']}: {problem}")
+
+
 def render_all(task: Task, examples: list[Example], spec: RunSpec) -> dict[str, RenderedPrompt]:
     """Render every prompt with the tokenizer alone and refuse contexts the model cannot hold."""
+    check_model_support(spec)
     tokenizer, limit = load_tokenizer(**spec.model)
     rendered = {}
     for ex in examples:

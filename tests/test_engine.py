@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engine.generate import DecodeSettings, generate, generation, plan_capacity, resolve_budget
+from kvbench.engine.generate import DecodeSettings, generate, generation, resolve_budget
+from kvbench.engine.plan import plan_capacity
 from kvbench.policies.registry import build_policy
 
 POLICIES = {

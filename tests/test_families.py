@@ -205,3 +205,27 @@ def test_family_table_in_readme_lists_every_tested_family():
     for family in list(FAMILIES) + list(REFUSED):
         assert f"`{family}`" in readme, family
     json.dumps(SLIDING)
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("falcon", ["policy=full"], "attention interface"),
+    ("bloom", ["policy=h2o"], "attention interface"),
+    ("gpt2", ["policy=streamingllm", "policy.positions=reindex"], "positions=absolute"),
+    ("opt", ["policy=window", "policy.positions=reindex"], "positions=absolute"),
+    ("mistral-window", ["policy=h2o", "policy.merge=true"], "merge"),
+])
+def test_the_runner_refuses_from_the_config_before_any_weights_load(tmp_path, monkeypatch, family, overrides, message):
+    """A local directory holding only config.json: a refusal that needed the weights would fail differently."""
+    import kvbench.run as runner
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import ConfigError
+
+    config = REFUSED[family][0](**REFUSED[family][1]) if family in REFUSED else family_config(family)
+    config.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(runner, "get_model", lambda *_: pytest.fail("the model loaded before the refusal"))
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["model=hf", f"model.name_or_path={tmp_path / 'model'}", "task.n=1",
+                                           f"results_dir={tmp_path / 'results'}", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        runner.run_cell(cfg, tmp_path / "cell", "t")

@@ -17,7 +17,7 @@ from kvbench.engine import measure
 from kvbench.engine.attention import kvbench_attention_enabled
 from kvbench.engine.cache import BudgetedCache
 from kvbench.engine.fused_llama import FusedLlama, supports
-from kvbench.engine.plan import plan_capacity, plan_layers
+from kvbench.engine.plan import plan_layers
 from kvbench.families import check_supported, layer_windows
 from kvbench.policies.base import Policy
 

@@ -1,7 +1,11 @@
 """Shared prompt helpers: chat templating and middle truncation, so every task renders the same way."""
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger("kvbench")
+_NO_TEMPLATE_LOGGED: set[str] = set()
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -21,9 +25,19 @@ def chat_ids(tokenizer: Any, user_text: str) -> list[int]:
 
 def render_ids(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
     """The prompt as ids: through the chat template when asked and available, else raw
-    (with the tokenizer's own special tokens, as ``model.generate`` users would feed it)."""
+    (with the tokenizer's own special tokens, as ``model.generate`` users would feed it).
+
+    A base model such as Gemma 3 270M has no template: ``chat_template=true`` then falls back to
+    the plain prompt (Gemma: BOS + text), said once per tokenizer in the log rather than refused.
+    """
     if chat_template and getattr(tokenizer, "chat_template", None):
         return chat_ids(tokenizer, text)
+    if chat_template:
+        name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+        if name not in _NO_TEMPLATE_LOGGED:
+            _NO_TEMPLATE_LOGGED.add(name)
+            log.info("tokenizer %s has no chat template: prompts are fed as plain text with its own special tokens",
+                     name)
     return list(tokenizer(text)["input_ids"])
 
 
