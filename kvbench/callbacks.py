@@ -14,8 +14,11 @@ from kvbench.results import SUMMARY, failed_cells
 
 COLUMNS = [("policy", "policy"), ("budget", "budget"), ("stage", "stage"), ("task", "task"), ("n_ok", "n"),
            ("n_error", "errors"), ("mean.score", "score"), ("mean.budget_achieved", "achieved"),
-           ("mean.kv_resident_bytes", "kv_bytes"), ("mean.ttft_s", "ttft_s"),
+           ("mean.budget_achieved_full", "achieved_full"), ("mean.kv_resident_bytes", "kv_bytes"),
+           ("mean.kv_resident_bytes_full", "kv_bytes_full"), ("mean.ttft_s", "ttft_s"),
            ("mean.decode_tokens_per_s", "decode_tok/s")]
+# Shown only for hybrid models (sliding and full-attention layers), where they differ from the overall ones.
+HYBRID_ONLY = ("mean.budget_achieved_full", "mean.kv_resident_bytes_full")
 # Clock slack between this process and the ones that ran the cells (submitit, shared filesystems).
 CLOCK_SLACK_S = 5.0
 
@@ -33,7 +36,8 @@ def summary_table(sweep_dir: Path) -> str:
     if not records:
         return f"no finished cells under {sweep_dir}"
     frame = pd.DataFrame(records)
-    keep = [(src, dst) for src, dst in COLUMNS if src in frame.columns]
+    hybrid = "mean.kv_resident_bytes_sliding" in frame.columns
+    keep = [(src, dst) for src, dst in COLUMNS if src in frame.columns and (hybrid or src not in HYBRID_ONLY)]
     frame = frame[[src for src, _ in keep]].rename(columns=dict(keep))
     metrics = {r.get("primary_metric") for r in records if r.get("primary_metric")}
     if "score" in frame and len(metrics) == 1:

@@ -113,6 +113,8 @@ def test_budget_applies_to_full_attention_layers_of_a_hybrid_model(prompt):
         *sliding, full = g.trace[-1]
         assert full.shape[-1] == 3
         assert all(layer.shape[-1] == sliding_held for layer in sliding)
+        # What the sliding layers keep is what their next query can still see: the budget is not spent outside.
+        assert all(bool((layer > PROMPT + NEW - 1 - WINDOW).all()) for layer in sliding)
         row_bytes = 2 * 16 * 4  # K and V of one head, float32
         assert g.kv_resident_bytes_full == 3 * row_bytes
         assert g.kv_resident_bytes_sliding == 2 * sliding_held * row_bytes
@@ -229,3 +231,64 @@ def test_the_runner_refuses_from_the_config_before_any_weights_load(tmp_path, mo
                                            f"results_dir={tmp_path / 'results'}", *overrides])
     with pytest.raises(ConfigError, match=message):
         runner.run_cell(cfg, tmp_path / "cell", "t")
+
+
+def test_unimplemented_attention_arguments_are_refused_never_ignored():
+    from kvbench.engine.attention import family_arguments
+
+    assert family_arguments(0, {"sliding_window": 6, "softcap": 5.0, "position_ids": torch.zeros(1)}, 6) == (6, 5.0)
+    with pytest.raises(ValueError, match="s_aux"):
+        family_arguments(0, {"s_aux": torch.zeros(4)}, None)
+    with pytest.raises(ValueError, match="dropout"):
+        family_arguments(0, {"dropout": 0.1}, None)
+    with pytest.raises(RuntimeError, match="planned for None"):
+        family_arguments(3, {"sliding_window": 6}, None)
+
+
+def np_attention(q, k, v, scaling, softcap, window, q_pos, k_pos):
+    """NumPy reference: per query head, capped logits, causal + window mask by position, softmax."""
+    import numpy as np
+
+    logits = np.einsum("hqd,hnd->hqn", q, k) * scaling
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
+    gap = q_pos[:, None] - k_pos[None, :]
+    visible = (gap >= 0) & (gap < window)
+    logits = np.where(visible[None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return p, np.einsum("hqn,hnd->hqd", p, v), visible
+
+
+@pytest.mark.parametrize("block", [1 << 22, 40])  # one block, and blocks of a few queries
+def test_statistics_and_output_are_the_softcapped_windowed_attention_numpy_computes(block, monkeypatch):
+    import numpy as np
+
+    from kvbench.engine import attention
+
+    monkeypatch.setattr(attention, "STATS_BLOCK_ELEMENTS", block)
+    rng = np.random.default_rng(3)
+    hq, hkv, past, q, d, window, cap = 4, 2, 5, 7, 8, 4, 2.0
+    n = past + q
+    k_pos = np.array([0, 2, 3, 6, 7] + list(range(8, 8 + q)))  # a kept past with holes, then the chunk
+    q_pos = k_pos[past:]
+    Q, K, V = (rng.normal(size=s).astype(np.float32) * 2 for s in ((hq, q, d), (hkv, n, d), (hkv, n, d)))
+    K_rep, V_rep = np.repeat(K, hq // hkv, 0), np.repeat(V, hq // hkv, 0)
+    probs, out, visible = np_attention(Q, K_rep, V_rep, d ** -0.5, cap, window, q_pos, k_pos)
+    group_mean = probs.reshape(hkv, hq // hkv, q, n).mean(1)
+    t = lambda a: torch.tensor(a).unsqueeze(0)  # noqa: E731
+    win = attention.Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos))
+    got = attention.attention_statistics(t(Q), t(K), d ** -0.5, past, None, frozenset({"acc", "sumsq", "last", "qlog"}),
+                                         history=3, window=win, softcap=cap, value=t(V))
+    np.testing.assert_allclose(got["acc"], group_mean.sum(1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["sumsq"], (group_mean ** 2).sum(1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["last"], group_mean[:, -1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["qlog"], group_mean[:, -3:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["qlog_nvis"], np.broadcast_to(visible[-3:].sum(-1), (hkv, 3)))
+    np.testing.assert_allclose(got["output"][0].transpose(0, 1), out, rtol=1e-5, atol=1e-5)
+    # The decode step (the chunk's last query alone over every key) computes the same row and output.
+    last = attention.Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos[-1:]))
+    output, stats = attention.decode_attention(t(Q[:, -1:]), t(K), t(V), d ** -0.5, None, frozenset({"acc"}),
+                                               window=last, softcap=cap)
+    np.testing.assert_allclose(stats["acc"], group_mean[:, -1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(output[0, 0], out[:, -1], rtol=1e-5, atol=1e-5)
