@@ -42,9 +42,10 @@ class Window:
     key_positions: torch.Tensor  # [heads or 1, n]
     query_positions: torch.Tensor  # [q]
 
-    def allowed(self, q_start: int, q_end: int) -> torch.Tensor:
-        """Bool [heads or 1, q_end - q_start, n]."""
-        gap = self.query_positions[q_start:q_end].view(1, -1, 1) - self.key_positions.unsqueeze(1)
+    def allowed(self, q_start: int, q_end: int, keys: int | None = None) -> torch.Tensor:
+        """Bool [heads or 1, q_end - q_start, keys]: over the first ``keys`` keys (default all)."""
+        held = self.key_positions if keys is None else self.key_positions[:, :keys]
+        gap = self.query_positions[q_start:q_end].view(1, -1, 1) - held.unsqueeze(1)
         return gap < self.size
 
 
@@ -57,7 +58,7 @@ def visibility(past: int, q_start: int, q_end: int, n: int, visible_past: torch.
         allowed = allowed.repeat(visible_past.shape[0], 1, 1)
         allowed[:, :, :past] &= visible_past.unsqueeze(1)
     if window is not None:
-        allowed = allowed & window.allowed(q_start, q_end)
+        allowed = allowed & window.allowed(q_start, q_end, n)
     return allowed
 
 
@@ -82,7 +83,9 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
 
     GQA: probabilities are computed per query head, then the query heads of a group are reduced to their
     KV head by the MEAN (a group's heads share the cached entry, so the entry's importance is their average).
-    Queries are processed in blocks of at most ``STATS_BLOCK_ELEMENTS`` probabilities: no n×n matrix.
+    Queries are processed in blocks of at most ``STATS_BLOCK_ELEMENTS`` probabilities: no n×n matrix. A block
+    reads only the keys up to its last query (causality hides the rest from all of it), and where nothing but
+    causality hides keys, only the block's own keys are masked.
     """
     _, hq, q, dim = query.shape
     hkv, n = key.shape[1], key.shape[2]
@@ -101,34 +104,36 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
     # Sums (and the output) need every query; the last row and the query log only the step's last queries.
     first = 0 if output is not None or out.keys() & {"acc", "sumsq"} else min(log_from, q - 1 if "last" in needs else q)
     block = max(1, STATS_BLOCK_ELEMENTS // (hq * n))
+    causal_only = visible_past is None and window is None
     for start in range(first, q, block):
         end = min(q, start + block)
+        hi, rows = past + end, end - start  # keys past the block's last query are hidden from all of it
         # One batched product per KV head over a transposed view of the keys (no copy of K).
-        logits = torch.matmul(qh[:, :, start:end].reshape(hkv, -1, dim), kh.transpose(-1, -2))
-        logits = _softcapped(logits.view(hkv, group, end - start, n).mul_(scaling), softcap)
-        # A lone query that sees every held entry (a plain decode step) needs no mask at all.
-        unmasked = visible_past is None and window is None and end - start == 1 and past + start + 1 == n
-        if not unmasked:
-            allowed = visibility(past, start, end, n, visible_past, key.device, window)  # [hkv or 1, qb, n]
+        logits = torch.matmul(qh[:, :, start:end].reshape(hkv, -1, dim), kh[:, :hi].transpose(-1, -2))
+        logits = _softcapped(logits.view(hkv, group, rows, hi).mul_(scaling), softcap)
+        if causal_only:  # only the block's own keys are hidden, from the queries before them
+            if rows > 1:
+                later = torch.ones(rows, rows, dtype=torch.bool, device=key.device).triu_(1)
+                logits[..., past + start :].masked_fill_(later, float("-inf"))
+            nvis = torch.arange(past + start + 1, hi + 1, device=key.device, dtype=torch.float32).unsqueeze(0)
+        else:
+            allowed = visibility(past, start, end, hi, visible_past, key.device, window)  # [hkv or 1, qb, hi]
             logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+            nvis = allowed.sum(dim=-1).to(torch.float32)
         full = logits.softmax(dim=-1)
         if output is not None:
-            output[:, :, start:end] = torch.matmul(full, vh.unsqueeze(1))
-        probs = full.mean(dim=1)  # [hkv, qb, n]
+            output[:, :, start:end] = torch.matmul(full, vh[:, :hi].unsqueeze(1))
+        probs = full.mean(dim=1)  # [hkv, qb, hi]
         if "acc" in out:
-            out["acc"] += probs.sum(dim=1)
+            out["acc"][:, :hi] += probs.sum(dim=1)
         if "sumsq" in out:
-            out["sumsq"] += probs.square().sum(dim=1)
+            out["sumsq"][:, :hi] += probs.square().sum(dim=1)
         if "last" in needs and end == q:
             out["last"] = probs[:, -1]
         if end > log_from:
             lo = max(start, log_from)
-            out["qlog"][:, lo - log_from : end - log_from] = probs[:, lo - start :]
-            if unmasked:
-                out["qlog_nvis"][:, -1] = n
-            else:
-                nvis = allowed[:, lo - start :].sum(dim=-1).to(torch.float32)
-                out["qlog_nvis"][:, lo - log_from : end - log_from] = nvis.expand(hkv, -1)
+            out["qlog"][:, lo - log_from : end - log_from, :hi] = probs[:, lo - start :]
+            out["qlog_nvis"][:, lo - log_from : end - log_from] = nvis[:, lo - start :].expand(hkv, -1)
     if output is not None:
         out["output"] = output.reshape(hq, q, -1).transpose(0, 1).unsqueeze(0).to(query.dtype)
     return out
