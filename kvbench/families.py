@@ -7,11 +7,14 @@ implemented (sliding window, softcap, scaling). A family whose modules compute a
 """
 from __future__ import annotations
 
+import inspect
+import re
+import sys
 from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Families that hand the attention interface an argument kvbench does not implement.
-UNIMPLEMENTED = {"gpt_oss": "learned attention sinks (s_aux)"}
+# What kvbench's attention implements of the arguments a family may hand the attention interface.
+IMPLEMENTED_ARGUMENTS = frozenset({"dropout", "scaling", "sliding_window", "softcap"})
 
 
 class UnsupportedModel(ValueError):
@@ -47,14 +50,43 @@ def support_error(config: Any) -> str | None:
         return (f"model family {family!r} ({cls.__name__}) computes attention in its own code, not through "
                 "transformers' attention interface, so kvbench could neither see nor evict its cache; use a family "
                 "listed in the README's family table")
-    if family in UNIMPLEMENTED:
-        return (f"model family {family!r} needs {UNIMPLEMENTED[family]}, which kvbench's attention does not "
-                "implement; use a family listed in the README's family table")
+    from kvbench.engine.attention import PASSIVE_ARGUMENTS
+
+    arguments = interface_arguments(cls)
+    if arguments is not None:
+        missing = sorted(arguments - IMPLEMENTED_ARGUMENTS - PASSIVE_ARGUMENTS)
+        if missing:
+            return (f"model family {family!r} hands its attention {', '.join(missing)}, which kvbench's attention "
+                    "does not implement (e.g. learned attention sinks); use a family listed in the README's table")
+        if "sliding_window" not in arguments and any(w is not None for w in layer_windows(config)):
+            return (f"model family {family!r} applies its sliding window through the mask alone, which kvbench "
+                    "does not read; use a family listed in the README's family table")
     unknown = sorted(set(getattr(text_config(config), "layer_types", None) or ()) - set(LAYER_TYPES))
     if unknown:
         return (f"model family {family!r} has layers of type {', '.join(unknown)}; kvbench implements "
                 f"{', '.join(LAYER_TYPES)} only")
     return None
+
+
+def interface_arguments(cls: type) -> set[str] | None:
+    """The keyword arguments the family's modeling code hands transformers' attention interface, read from its
+    source (None where the source cannot be read: the attention function then refuses at the first call)."""
+    try:
+        source = inspect.getsource(sys.modules[cls.__module__])
+    except (OSError, TypeError, KeyError):
+        return None
+    names: set[str] = set()
+    for call in re.finditer(r"attention_interface\(", source):
+        depth, top, i = 1, [], call.end()
+        while depth and i < len(source):  # the call's text at its own nesting level only
+            char = source[i]
+            depth += char == "("
+            depth -= char == ")"
+            if depth == 1 and char != "(":
+                top.append(char)
+            i += 1
+        names |= set(re.findall(r"(?<![=!<>])\b(\w+)\s*=(?!=)", "".join(top)))
+    return names
 
 
 def check_supported(config: Any) -> None:

@@ -292,3 +292,32 @@ def test_statistics_and_output_are_the_softcapped_windowed_attention_numpy_compu
                                                window=last, softcap=cap)
     np.testing.assert_allclose(stats["acc"], group_mean[:, -1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(output[0, 0], out[:, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config, message", [
+    (lambda: __import__("transformers").GptOssConfig(), "s_aux"),
+    (lambda: __import__("transformers").Qwen2MoeConfig(use_sliding_window=True, sliding_window=8), "mask alone"),
+])
+def test_arguments_the_family_hands_its_attention_are_checked_from_its_code(config, message):
+    """Read from the family's modeling source, before any weights: learned sinks, a window kept in the mask."""
+    assert message in support_error(config())
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "gemma3"])
+def test_kvbench_masked_replay_holds_on_sliding_layers(family, prompt):
+    model = build(family)
+    g = generate(model, None, prompt, build_policy(named("h2o")), 3, "both", DecodeSettings(max_new_tokens=NEW),
+                 trace=True, return_logits=True)
+    r = generate(model, None, prompt, build_policy(named("full")), 1.0, "both", DecodeSettings(max_new_tokens=NEW),
+                 forced_tokens=g.tokens, replay_trace=g.trace, return_logits=True)
+    torch.testing.assert_close(r.logits, g.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_pyramid_on_an_all_sliding_model_keeps_the_uniform_total():
+    from kvbench.engine.plan import plan_layers
+
+    config = family_config("mistral-window")
+    config.num_hidden_layers = 4
+    for budget in (4, 5, 8):
+        plans = plan_layers(build_policy(named("pyramidkv")), budget, layer_windows(config), "prefill", 20, 0, 8, 20)
+        assert sum(p.budget for p in plans) == 4 * min(budget, WINDOW - 1), budget

@@ -214,8 +214,10 @@ def generation(
         positions = torch.arange(start, start + len(ids), device=device)
         if replay_trace is not None and n_forwards > 0:
             for layer, held in zip(cache.layers, replay_trace[n_forwards - 1]):
-                visible = torch.zeros(held.shape[0], start, dtype=torch.bool, device=device)
-                layer.visible_past = visible.scatter_(1, held.to(device), True)
+                by_position = torch.zeros(held.shape[0], start, dtype=torch.bool, device=device)
+                by_position.scatter_(1, held.to(device), True)
+                # What this (full) cache holds, by position: everything, or a sliding layer's window.
+                layer.visible_past = by_position.gather(1, layer.positions[:, : layer.length])
         n_forwards += 1
         # Statistics are collected while this step or a later one may evict (decode_evicts: the last to).
         fed_positions = cache.begin_step(positions, evicting, phase, collecting=decode_evicts)

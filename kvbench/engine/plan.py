@@ -66,6 +66,8 @@ def plan_layers(policy: Policy, budget: int | None, windows: list[int | None], s
     if budget is not None and evicting:
         # No layer needs more than it will ever hold in an evicting step.
         limit = context if stage == "prefill" else context + suffix + max_new
+        if all(windows[i] is not None for i in evicting):  # no layer can hold more than its window - 1
+            limit = min(limit, min(windows[i] for i in evicting) - 1)
         budgets.update(zip(evicting, policy.layer_budgets(budget, len(evicting), limit)))
     plans, held_window = [], window_only(policy)
     for i, window in enumerate(windows):
