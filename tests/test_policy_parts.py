@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.policies.base import Policy, TokenState
+from kvbench.policies.base import Policy
+from kvbench.policies.state import TokenState
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes import Everything, SinksAndWindow
 from kvbench.policies.scores import RandomScore, Recency

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from kvbench.policies.positions import LAYOUTS, Rotary, find_rotary, layer_rotaries, reindex_refusal
+from kvbench.policies.positions import LAYOUTS, Rotary, layer_rotaries, reindex_refusal
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -170,12 +170,8 @@ def test_the_tables_are_the_models_buffers():
     assert torch.equal(sliding.inv_freq, rotary.sliding_attention_inv_freq)
     assert torch.equal(full.inv_freq, rotary.full_attention_inv_freq)
     assert not torch.equal(sliding.inv_freq, full.inv_freq)
-    with pytest.raises(ValueError, match="different RoPE tables per layer; the cache must use layer_rotaries"):
-        find_rotary(model)
     yarn = tiny_model("llama", **CASES["llama-yarn"][1])
     assert layer_rotaries(yarn)[0].scale == pytest.approx(yarn.model.rotary_emb.attention_scaling) != 1.0
-    with pytest.raises(ValueError, match="unrotate"):
-        find_rotary(yarn)
 
 
 def test_layout_matters():
@@ -186,10 +182,11 @@ def test_layout_matters():
     assert not torch.allclose(wrong.rotate(x, p), reference(model, 0)(x, p), atol=1e-3)
 
 
-def test_find_rotary_still_serves_single_table_models():
+def test_single_table_models_share_one_rotary():
     model = tiny_model("llama")
-    rot = find_rotary(model)
-    assert rot.same_as(layer_rotaries(model)[1]) and rot.layout == "half" and rot.scale == 1.0
+    rot = layer_rotaries(model)[0]
+    assert rot is layer_rotaries(model)[1] or rot.same_as(layer_rotaries(model)[1])
+    assert rot.layout == "half" and rot.scale == 1.0
     x = torch.randn(2, 4, 8, dtype=torch.bfloat16)
     assert rot.rotate(x, torch.arange(4).view(1, -1)).dtype == torch.bfloat16
     assert torch.equal(Rotary.identity().rotate(x, torch.arange(4)), x)
@@ -236,6 +233,5 @@ def test_models_are_refused_with_the_class_name():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
     expected = "GPT2LMHeadModel has no rotary position embedding; use positions=absolute"  # as test_policies
-    for fn in (layer_rotaries, find_rotary):
-        with pytest.raises(ValueError, match=expected):
-            fn(gpt2)
+    with pytest.raises(ValueError, match=expected):
+        layer_rotaries(gpt2)

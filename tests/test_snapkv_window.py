@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from kvbench.engine.cache import BudgetedCache, LayerPlan
 from kvbench.policies.allocation import Adaptive
-from kvbench.policies.base import Allocation, Policy, TokenState
+from kvbench.policies.base import Allocation, Policy
+from kvbench.policies.state import TokenState
 from kvbench.policies.scopes import Everything, SinksAndWindow
 from kvbench.policies.scores import ObservationWindow, pool_neighbours
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvbench.engine.visibility import Window, visibility
 from kvbench.policies.base import ATTENTION_STATS
 
 ATTN_NAME = "kvbench"
@@ -32,34 +32,6 @@ STATS_BLOCK_ELEMENTS = 1 << 22
 # Arguments of transformers' attention interface that carry nothing kvbench must compute (bookkeeping the
 # model also hands to every other attention function). Any other argument with a value is refused.
 PASSIVE_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
-
-
-@dataclass
-class Window:
-    """A sliding-window layer's visibility by absolute position: key k is visible to query q iff q - k < size."""
-
-    size: int
-    key_positions: torch.Tensor  # [heads or 1, n]
-    query_positions: torch.Tensor  # [q]
-
-    def allowed(self, q_start: int, q_end: int, keys: int | None = None) -> torch.Tensor:
-        """Bool [heads or 1, q_end - q_start, keys]: over the first ``keys`` keys (default all)."""
-        held = self.key_positions if keys is None else self.key_positions[:, :keys]
-        gap = self.query_positions[q_start:q_end].view(1, -1, 1) - held.unsqueeze(1)
-        return gap < self.size
-
-
-def visibility(past: int, q_start: int, q_end: int, n: int, visible_past: torch.Tensor | None,
-               device: torch.device, window: Window | None = None) -> torch.Tensor:
-    """Bool [heads or 1, q_end - q_start, n]: key j is visible to chunk query i."""
-    rows = torch.arange(q_start, q_end, device=device).unsqueeze(-1) + past
-    allowed = (torch.arange(n, device=device).unsqueeze(0) <= rows).unsqueeze(0)
-    if visible_past is not None:
-        allowed = allowed.repeat(visible_past.shape[0], 1, 1)
-        allowed[:, :, :past] &= visible_past.unsqueeze(1)
-    if window is not None:
-        allowed = allowed & window.allowed(q_start, q_end, n)
-    return allowed
 
 
 def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -213,7 +185,8 @@ def _decode_statistics(probs: torch.Tensor, counts: torch.Tensor | None, needs: 
 
 def family_arguments(layer_idx: int, kwargs: dict, planned_window: int | None) -> tuple[int | None, float | None]:
     """The sliding window and softcap the model asks for; anything else it asks for is refused, never ignored.
-    The window must be the one the cache was planned with (decided from the config before the run)."""
+    The window must be the one the cache was planned with (decided from the config before the run). Consumes
+    ``kwargs``."""
     window = kwargs.pop("sliding_window", None)
     softcap = kwargs.pop("softcap", None)
     dropout = kwargs.pop("dropout", 0.0)
@@ -239,7 +212,8 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     layer = cache.layers[module.layer_idx]
-    size, softcap = family_arguments(module.layer_idx, dict(kwargs, dropout=dropout), layer.plan.window)
+    kwargs["dropout"] = dropout  # the rest of kwargs is not read past this point
+    size, softcap = family_arguments(module.layer_idx, kwargs, layer.plan.window)
     q, n = query.shape[2], key.shape[2]
     past = n - q
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -42,9 +42,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvbench.engine.attention import Window
+from kvbench.engine.visibility import Window
 from kvbench.engine.query_log import QueryLog
-from kvbench.policies.base import Policy, Stats, TokenState
+from kvbench.policies.base import Policy
+from kvbench.policies.state import Stats, TokenState
 from kvbench.policies.merge import merge_evicted
 from kvbench.policies.positions import Rotary, layer_rotaries
 from kvbench.policies.quantize import Quantizer

@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,20 +18,11 @@ from kvbench.engine.attention import kvbench_attention_enabled
 from kvbench.engine.cache import BudgetedCache
 from kvbench.engine.fused_llama import FusedLlama, supports
 from kvbench.engine.plan import plan_layers
+from kvbench.engine.sampling import DecodeSettings, choose_token, cut_at_stop, eos_ids, hit_stop
 from kvbench.families import check_supported, layer_windows
 from kvbench.policies.base import Policy
 
 STAGES = ("prefill", "decode", "both")
-
-
-@dataclass
-class DecodeSettings:
-    max_new_tokens: int = 32
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_strings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -106,32 +97,6 @@ def fused_forward_for(model: Any, fused: bool | None) -> FusedLlama | None:
         cached = (key, FusedLlama(model))
         model._kvbench_fused = cached
     return cached[1]
-
-
-def choose_token(logits: torch.Tensor, settings: DecodeSettings, generator: torch.Generator | None) -> torch.Tensor:
-    """Greedy, or temperature + nucleus sampling from a seeded generator."""
-    if not settings.do_sample:
-        return logits.argmax(dim=-1)
-    scaled = logits.float() / max(settings.temperature, 1e-6)
-    probs = scaled.softmax(dim=-1)
-    if settings.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs > settings.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(configured)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def generate(*args: Any, **kwargs: Any) -> Generation:
@@ -264,7 +229,7 @@ def generation(
             if not forced_tokens and token in stops:
                 stop_reason = "eos"
                 break
-            if not forced_tokens and settings.stop_strings and _hit_stop(tokenizer, tokens, settings.stop_strings):
+            if not forced_tokens and settings.stop_strings and hit_stop(tokenizer, tokens, settings.stop_strings):
                 stop_reason = "stop_string"
                 break
             t_step = measure.now(device)
@@ -292,7 +257,7 @@ def generation(
     by_kind = _by_layer_kind(windows, per_layer_achieved, summary.resident_per_layer)
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
     if stop_reason == "stop_string":
-        text = _cut_at_stop(text, settings.stop_strings)
+        text = cut_at_stop(text, settings.stop_strings)
     return Generation(
         tokens=tokens,
         text=text,
@@ -326,13 +291,3 @@ def _by_layer_kind(windows: list[int | None], achieved: list[float], resident: l
         out[f"budget_achieved_{kind}"] = sum(achieved[i] for i in chosen) / len(chosen) if chosen else None
         out[f"kv_resident_bytes_{kind}"] = sum(resident[i] for i in chosen) if chosen else None
     return out
-
-
-def _hit_stop(tokenizer: Any, tokens: list[int], stops: list[str]) -> bool:
-    text = tokenizer.decode(tokens[-16:], skip_special_tokens=True)
-    return any(s in text for s in stops)
-
-
-def _cut_at_stop(text: str, stops: list[str]) -> str:
-    cut = min((text.find(s) for s in stops if s in text), default=len(text))
-    return text[:cut]

@@ -178,17 +178,3 @@ def layer_rotaries(model: Any) -> list[Rotary]:
             rot = Rotary(getattr(module, f"{kind}_inv_freq"), layout, getattr(module, f"{kind}_attention_scaling", 1.0))
         out.append(next((r for r in out if r.same_as(rot)), rot))
     return out
-
-
-def find_rotary(model: Any) -> Rotary:
-    """The single rotary every layer shares, for callers that apply one to all layers and undo with negative
-    positions; a ValueError when the model's layers differ or it scales cos/sin (use ``layer_rotaries``)."""
-    rotaries = layer_rotaries(model)
-    name = type(model).__name__
-    if any(not r.same_as(rotaries[0]) for r in rotaries):
-        raise ValueError(f"positions=reindex: {name} uses different RoPE tables per layer; the cache must use "
-                         f"layer_rotaries(model), or {ABSOLUTE}")
-    if rotaries[0].scale != 1.0:
-        raise ValueError(f"positions=reindex: {name} scales cos/sin by {rotaries[0].scale:g}, so undoing needs "
-                         f"Rotary.unrotate (layer_rotaries), not negative positions; {ABSOLUTE}")
-    return rotaries[0]

@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from kvbench.policies.base import Scope, TokenState, resolve_count
+from kvbench.policies.base import Scope, resolve_count
+from kvbench.policies.state import TokenState
 from kvbench.policies.scores import attention_variance
 
 # A layer keeps each head's tokens in sequence order (compaction preserves order, new tokens are appended),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import Score, TokenState
+from kvbench.policies.base import Score
+from kvbench.policies.state import TokenState
 
 
 class Recency(Score):
