@@ -262,10 +262,10 @@ def np_attention(q, k, v, scaling, softcap, window, q_pos, k_pos):
 def test_statistics_and_output_are_the_softcapped_windowed_attention_numpy_computes(block, monkeypatch):
     import numpy as np
 
-    from kvbench.engine import attention
+    from kvbench.engine import attention, blocked
     from kvbench.engine.visibility import Window
 
-    monkeypatch.setattr(attention, "STATS_BLOCK_ELEMENTS", block)
+    monkeypatch.setattr(blocked, "STATS_BLOCK_ELEMENTS", block)
     rng = np.random.default_rng(3)
     hq, hkv, past, q, d, window, cap = 4, 2, 5, 7, 8, 4, 2.0
     n = past + q

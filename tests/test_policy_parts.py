@@ -333,9 +333,9 @@ def test_decode_attention_gives_sdpa_output_and_the_reference_statistics(masked)
 
 @pytest.mark.parametrize("block", [1 << 22, 7])
 def test_attention_statistics_match_dense_reference_in_any_block_size(block, monkeypatch):
-    import kvbench.engine.attention as attention
+    import kvbench.engine.blocked as blocked
 
-    monkeypatch.setattr(attention, "STATS_BLOCK_ELEMENTS", block)  # 7: one query per block
+    monkeypatch.setattr(blocked, "STATS_BLOCK_ELEMENTS", block)  # 7: one query per block
     rng = np.random.default_rng(5)
     q, k = rng.normal(size=(4, 5, 8)), rng.normal(size=(2, 9, 8))
     visible = np.array([[True, False, True, True], [False, True, True, True]])

@@ -23,92 +23,17 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
 from kvbench.engine.visibility import Window, visibility
 from kvbench.policies.base import ATTENTION_STATS
 
 ATTN_NAME = "kvbench"
-# Upper bound on attention-probability elements materialised at once (statistics, softcapped output, masks).
-STATS_BLOCK_ELEMENTS = 1 << 22
 # Arguments of transformers' attention interface that carry nothing kvbench must compute (bookkeeping the
 # model also hands to every other attention function). Any other argument with a value is refused.
 PASSIVE_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
-
-
-def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma 2's logit softcapping, in place: cap · tanh(logit / cap)."""
-    if softcap is None:
-        return logits
-    return logits.div_(softcap).tanh_().mul_(softcap)
-
-
-def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float, past: int,
-                         visible_past: torch.Tensor | None, needs: frozenset[str], history: int = 0,
-                         window: Window | None = None, softcap: float | None = None,
-                         value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The per-token statistics the policy needs from this step's attention, per KV head and key:
-
-    - ``acc`` / ``sumsq``: sums over the step's queries of the attention probability (and of its square);
-    - ``last``: the last query's row;
-    - ``qlog`` [hkv, r, n] and ``qlog_nvis`` [hkv, r]: the rows of the step's last r = min(q, history) queries
-      and how many keys each of them could see (the layer keeps them in a ring of ``history`` rows);
-    - ``output`` (only with ``value``): the attention output [1, q, hq, Dv] from the same probabilities.
-
-    GQA: probabilities are computed per query head, then the query heads of a group are reduced to their
-    KV head by the MEAN (a group's heads share the cached entry, so the entry's importance is their average).
-    Queries are processed in blocks of at most ``STATS_BLOCK_ELEMENTS`` probabilities: no n×n matrix. A block
-    reads only the keys up to its last query (causality hides the rest from all of it), and where nothing but
-    causality hides keys, only the block's own keys are masked.
-    """
-    _, hq, q, dim = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    group = hq // hkv
-    qh = query[0].reshape(hkv, group, q, dim).to(torch.float32)
-    kh = key[0].to(torch.float32)
-    out = {name: torch.zeros(hkv, n, device=key.device) for name in ("acc", "sumsq") if name in needs}
-    log_from = q - min(q, history) if "qlog" in needs else q
-    if log_from < q:
-        out["qlog"] = torch.zeros(hkv, q - log_from, n, device=key.device)
-        out["qlog_nvis"] = torch.zeros(hkv, q - log_from, device=key.device)
-    output = None
-    if value is not None:
-        vh = value[0].to(torch.float32)
-        output = torch.empty(hkv, group, q, vh.shape[-1], device=key.device)
-    # Sums (and the output) need every query; the last row and the query log only the step's last queries.
-    first = 0 if output is not None or out.keys() & {"acc", "sumsq"} else min(log_from, q - 1 if "last" in needs else q)
-    block = max(1, STATS_BLOCK_ELEMENTS // (hq * n))
-    causal_only = visible_past is None and window is None
-    for start in range(first, q, block):
-        end = min(q, start + block)
-        hi, rows = past + end, end - start  # keys past the block's last query are hidden from all of it
-        # One batched product per KV head over a transposed view of the keys (no copy of K).
-        logits = torch.matmul(qh[:, :, start:end].reshape(hkv, -1, dim), kh[:, :hi].transpose(-1, -2))
-        logits = _softcapped(logits.view(hkv, group, rows, hi).mul_(scaling), softcap)
-        if causal_only:  # only the block's own keys are hidden, from the queries before them
-            if rows > 1:
-                later = torch.ones(rows, rows, dtype=torch.bool, device=key.device).triu_(1)
-                logits[..., past + start :].masked_fill_(later, float("-inf"))
-            nvis = torch.arange(past + start + 1, hi + 1, device=key.device, dtype=torch.float32).unsqueeze(0)
-        else:
-            allowed = visibility(past, start, end, hi, visible_past, key.device, window)  # [hkv or 1, qb, hi]
-            logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-            nvis = allowed.sum(dim=-1).to(torch.float32)
-        full = logits.softmax(dim=-1)
-        if output is not None:
-            output[:, :, start:end] = torch.matmul(full, vh[:, :hi].unsqueeze(1))
-        probs = full.mean(dim=1)  # [hkv, qb, hi]
-        if "acc" in out:
-            out["acc"][:, :hi] += probs.sum(dim=1)
-        if "sumsq" in out:
-            out["sumsq"][:, :hi] += probs.square().sum(dim=1)
-        if "last" in needs and end == q:
-            out["last"] = probs[:, -1]
-        if end > log_from:
-            lo = max(start, log_from)
-            out["qlog"][:, lo - log_from : end - log_from, :hi] = probs[:, lo - start :]
-            out["qlog_nvis"][:, lo - log_from : end - log_from] = nvis[:, lo - start :].expand(hkv, -1)
-    if output is not None:
-        out["output"] = output.reshape(hq, q, -1).transpose(0, 1).unsqueeze(0).to(query.dtype)
-    return out
+# Statistics that sum over every query of a step: a prefill chunk that needs them takes its output from the
+# same blocked pass (one product of queries and keys instead of SDPA's and a second one).
+SUMMED_STATS = frozenset({"acc", "sumsq"})
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -124,7 +49,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     hkv, n = key.shape[1], key.shape[2]
     group = hq // hkv
     qh = query[0].reshape(hkv, group, dim).to(torch.float32) * scaling
-    logits = _softcapped(torch.matmul(qh, key[0].to(torch.float32).transpose(-1, -2)), softcap)  # [hkv, group, n]
+    logits = softcapped(torch.matmul(qh, key[0].to(torch.float32).transpose(-1, -2)), softcap)  # [hkv, group, n]
     visible = None
     if visible_past is not None:
         visible = torch.cat([visible_past, visible_past.new_ones(hkv, 1)], dim=1)
@@ -153,7 +78,7 @@ def pooled_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     hkv, rows = bias.shape
     group = hq // hkv
     qh = query[0, :, 0].to(torch.float32) * scaling  # [hq, D]
-    logits = _softcapped(torch.matmul(qh, key[0, 0].to(torch.float32).transpose(0, 1)), softcap).view(hkv, group, rows)
+    logits = softcapped(torch.matmul(qh, key[0, 0].to(torch.float32).transpose(0, 1)), softcap).view(hkv, group, rows)
     if window is not None:
         in_window = window.allowed(0, 1)[:, 0]  # [1, rows]
         bias = bias.masked_fill(~in_window, float("-inf"))
@@ -232,7 +157,7 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                          staged, window, softcap)
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
-    if softcap is not None:  # SDPA cannot softcap: the output and the statistics from one blocked pass
+    if softcap is not None or (q > 1 and needs & SUMMED_STATS):  # one blocked pass: the output and the statistics
         stats = attention_statistics(query, key, scaling, past, layer.visible_past, needs if collecting else
                                      frozenset(), policy.history, window, softcap, value)
         output = stats.pop("output")
@@ -255,15 +180,14 @@ def _sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value
         mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0) if q > 1 and past > 0 else None
         return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
                                       is_causal=mask is None and q > 1)[0]
-    block = max(1, STATS_BLOCK_ELEMENTS // (query.shape[1] * n))
     outputs = []
-    for start in range(0, q, block):
-        end = min(q, start + block)
-        mask = visibility(past, start, end, n, visible_past, key.device, window)
+    for start, end, lo in query_blocks(0, q, past, n, query.shape[1], window):
+        hi = past + end  # keys past the block's last query, and before its window, are hidden from all of it
+        mask = visibility(past, start, end, hi, visible_past, key.device, window, lo)
         if mask.shape[0] > 1:
             mask = mask.repeat_interleave(group, dim=0)
-        outputs.append(sdpa_attention_forward(module, query[:, :, start:end], key, value, mask.unsqueeze(0),
-                                              dropout=0.0, scaling=scaling, is_causal=False)[0])
+        outputs.append(sdpa_attention_forward(module, query[:, :, start:end], key[:, :, lo:hi], value[:, :, lo:hi],
+                                              mask.unsqueeze(0), dropout=0.0, scaling=scaling, is_causal=False)[0])
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 

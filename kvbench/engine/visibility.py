@@ -15,21 +15,29 @@ class Window:
     key_positions: torch.Tensor  # [heads or 1, n]
     query_positions: torch.Tensor  # [q]
 
-    def allowed(self, q_start: int, q_end: int, keys: int | None = None) -> torch.Tensor:
-        """Bool [heads or 1, q_end - q_start, keys]: over the first ``keys`` keys (default all)."""
-        held = self.key_positions if keys is None else self.key_positions[:, :keys]
+    def allowed(self, q_start: int, q_end: int, keys: int | None = None, lo: int = 0) -> torch.Tensor:
+        """Bool [heads or 1, q_end - q_start, keys - lo]: over keys ``lo`` to ``keys`` (default all)."""
+        held = self.key_positions[:, lo:keys]
         gap = self.query_positions[q_start:q_end].view(1, -1, 1) - held.unsqueeze(1)
         return gap < self.size
 
+    def first_keys(self, q_starts: list[int]) -> list[int]:
+        """Per query index, the first key index any head may show it: every key before it is at or past the
+        window's edge for that query, and so for every later one. Holds whatever order the keys are held in."""
+        edges = self.query_positions[q_starts] - self.size  # a key at or before the edge is hidden
+        reach = torch.cummax(self.key_positions, dim=-1).values  # sorted, so searchable in any key order
+        edges = edges.to(reach.dtype).unsqueeze(0).expand(reach.shape[0], -1).contiguous()
+        return torch.searchsorted(reach.contiguous(), edges, right=True).min(dim=0).values.tolist()
 
 def visibility(past: int, q_start: int, q_end: int, n: int, visible_past: torch.Tensor | None,
-               device: torch.device, window: Window | None = None) -> torch.Tensor:
-    """Bool [heads or 1, q_end - q_start, n]: key j is visible to chunk query i."""
+               device: torch.device, window: Window | None = None, lo: int = 0) -> torch.Tensor:
+    """Bool [heads or 1, q_end - q_start, n - lo]: key j (from ``lo``) is visible to chunk query i."""
     rows = torch.arange(q_start, q_end, device=device).unsqueeze(-1) + past
-    allowed = (torch.arange(n, device=device).unsqueeze(0) <= rows).unsqueeze(0)
+    allowed = (torch.arange(lo, n, device=device).unsqueeze(0) <= rows).unsqueeze(0)
     if visible_past is not None:
         allowed = allowed.repeat(visible_past.shape[0], 1, 1)
-        allowed[:, :, :past] &= visible_past.unsqueeze(1)
+        if lo < past:
+            allowed[:, :, : past - lo] &= visible_past[:, lo:].unsqueeze(1)
     if window is not None:
-        allowed = allowed & window.allowed(q_start, q_end, n)
+        allowed = allowed & window.allowed(q_start, q_end, n, lo)
     return allowed
