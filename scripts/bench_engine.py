@@ -5,6 +5,8 @@ decode speed as a fraction of the memory-bandwidth floor (weight bytes per token
     python scripts/bench_engine.py                      # SmolLM2, the README's table
     python scripts/bench_engine.py --model tiny-llama --contexts 256 512 --policy-context 512 --overhead-context 256 \
         --memory-contexts 256 --budget 64 --stride 128 --new-tokens 8 --repeats 1 --out /tmp/bench   # seconds
+    python scripts/bench_engine.py --prefill                      # the README's prefill table, SmolLM2
+    python scripts/bench_engine.py --prefill --model gemma3-270m --prefill-contexts 8192 16384 32768 --strides 0
 
 After a warm-up: the overhead comparison takes the median of ``--overhead-repeats`` whole runs of each,
 transformers' and kvbench's alternating. Every other decode figure compares runs step by step: each of the
@@ -19,6 +21,7 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -34,7 +37,13 @@ from kvbench.engine.generate import DecodeSettings, generate, generation
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies.registry import build_policy
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_bench import POLICIES as PREFILL_POLICIES, prefill_markdown, prefill_table  # noqa: E402
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+MODELS = {"smollm2-135m": {"source": "embedded", "embedded": "smollm2"},
+          "gemma3-270m": {"source": "embedded", "embedded": "gemma3-270m"},
+          "tiny-llama": {"source": "tiny"}}
 STATISTICS_POLICIES = ["h2o", "scissorhands", "tova", "roco", "snapkv", "vatp", "mean_window", "accumulated_robust"]
 
 
@@ -171,8 +180,7 @@ def prefill_peak(lm: LoadedModel, ids: list[int], name: str, stride: int | None)
 
 
 def _fresh_process_peak(model: str, n: int, name: str, stride: int | None) -> int:
-    source = "embedded" if model == "smollm2-135m" else "tiny"
-    lm = load_model(model, source=source)
+    lm = load_model(model, **MODELS[model])
     return prefill_peak(lm, prompt_ids(lm, n), name, stride)
 
 
@@ -187,7 +195,7 @@ def prefill_peak_isolated(model: str, n: int, name: str, stride: int | None) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny-llama"])
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=65)
@@ -200,15 +208,26 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=1024, help="prefill chunk for the fixed-budget runs")
     ap.add_argument("--out", default="results/bench_engine")
     ap.add_argument("--render", metavar="JSON", help="only print the tables of a saved bench_engine.json")
+    ap.add_argument("--prefill", action="store_true", help="only the prefill table (prefill_bench.py)")
+    ap.add_argument("--prefill-contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--strides", type=int, nargs="+", default=[0, 1024], help="prefill chunks; 0: one chunk")
+    ap.add_argument("--prefill-repeats", type=int, default=2)
+    ap.add_argument("--prefill-policies", nargs="+", default=PREFILL_POLICIES)
     args = ap.parse_args()
     if args.render:
         print(markdown(json.loads(Path(args.render).read_text())))
         return
 
-    source = "embedded" if args.model == "smollm2-135m" else "tiny"
-    lm = load_model(args.model, source=source)
+    lm = load_model(args.model, **MODELS[args.model])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.prefill:
+        table = prefill_table(lm, policy, lambda n: prompt_ids(lm, n), args.prefill_contexts, args.strides,
+                              args.prefill_repeats, available(args.prefill_policies))
+        table |= {"device": str(lm.device), "dtype": str(lm.dtype), "threads": torch.get_num_threads()}
+        (out / f"bench_prefill_{args.model}.json").write_text(json.dumps(table, indent=2))
+        print(prefill_markdown(table, f"{args.model} on {lm.device} ({lm.dtype}, {torch.get_num_threads()} threads)"))
+        return
     report: dict[str, Any] = {"device": str(lm.device), "dtype": str(lm.dtype), "threads": torch.get_num_threads()}
 
     bandwidth = read_bandwidth(lm.device)

@@ -88,3 +88,28 @@ def test_first_keys_holds_for_keys_in_any_order():
     for i, first in enumerate(firsts):
         assert bool((queries[i] - positions[:, :first] >= 3).all())
         assert bool((queries[i] - positions[:, first] < 3).any())  # and it is the first that is not
+
+
+@pytest.mark.parametrize("extreme", ["overflow", "underflow"])
+def test_logits_beyond_float32_exponentials_are_computed_again_shifted(extreme, monkeypatch):
+    """The unshifted exponentials hold only inside float32's range; outside it the step is redone with the
+    row maximum subtracted, and the statistics are still NumPy's."""
+    calls = []
+    original = blocked._blocked_pass
+    monkeypatch.setattr(blocked, "_blocked_pass", lambda *args: calls.append(args[-1]) or original(*args))
+    rng = np.random.default_rng(11)
+    hq, hkv, q, d = 4, 2, 9, 8
+    K = (np.abs(rng.normal(size=(hkv, q, d))) + 1).astype(np.float32)
+    V = rng.normal(size=(hkv, q, d)).astype(np.float32)
+    Q = (rng.normal(size=(hq, q, d)) * 40).astype(np.float32) if extreme == "overflow" else \
+        np.full((hq, q, d), -40.0, dtype=np.float32)  # every logit below -100: each row's sum underflows
+    expected = numpy_attention(Q, K, V, 0, np.arange(q), np.arange(q), None, None, None)
+    t = lambda a: torch.tensor(a).unsqueeze(0)  # noqa: E731
+    got = blocked.attention_statistics(t(Q), t(K), d ** -0.5, 0, None, NEEDS, HISTORY, value=t(V))
+    assert calls == [False, True]
+    for name, ref in expected.items():
+        value = got[name][0] if name == "output" else got[name]
+        np.testing.assert_allclose(value.double().numpy(), ref, rtol=2e-5, atol=2e-6, err_msg=name)
+    calls.clear()
+    blocked.attention_statistics(t(Q / 100), t(K), d ** -0.5, 0, None, NEEDS, HISTORY, value=t(V))
+    assert calls == [False]  # ordinary logits: one pass

@@ -1,18 +1,19 @@
 """The attention function kvbench registers with transformers: the family's own attention, over the cache.
 
-Every argument the attention interface hands over is either implemented or refused (``FAMILY_ARGUMENTS``):
+Every argument the attention interface hands over is either implemented or refused (``family_arguments``):
 the layer's sliding window, by absolute position (key k is visible to query q when ``0 <= q - k < window``);
-logit softcapping (``cap · tanh(logit / cap)`` before the mask, Gemma 2); the family's scaling. The output
-comes from transformers' SDPA path with a mask this function builds per layer (causal inside the new chunk,
-every kept past entry visible except what the window or ``visible_past`` hides: masked replay, or the padding
-of a per-head-allocated layer's view). SDPA cannot softcap, so a softcapped layer's output comes from one
-blocked pass that also gives the statistics. Statistics are computed a block of queries at a time, so no n×n
-matrix is ever held, from the same logits the output uses (windowed, softcapped); a policy that needs none
-pays nothing, and once no later step will evict none are computed. A decode step (one query) of a policy that
-needs them computes its probabilities once and takes both the output and the statistics from them (a stacked
-cache's layers each leave their row for one fold of every layer's); a per-head-allocated layer's decode step
-attends over its pool of (head, token) rows in place. Once the output exists the cache folds the statistics in
-and evicts: the step's own queries count.
+logit softcapping (``cap · tanh(logit / cap)`` before the mask, Gemma 2); the family's scaling. Where no
+statistic needs every query, the output comes from transformers' SDPA path with a mask this function builds per
+layer (causal inside the new chunk, every kept past entry visible except what the window or ``visible_past``
+hides: masked replay, or the padding of a per-head-allocated layer's view), and the few rows a policy reads
+(the last query, an observation window) from ``blocked.attention_statistics``. A chunk whose statistics sum
+over every query, or a softcapped one (SDPA cannot softcap), takes its output and its statistics from one
+blocked pass (``engine/blocked.py``). A decode step (one query) of a policy that needs statistics computes its
+probabilities once and takes both the output and the statistics from them (a stacked cache's layers each leave
+their row for one fold of every layer's); a per-head-allocated layer's decode step attends over its pool of
+(head, token) rows in place. Once the output exists the cache folds the statistics in and evicts: the step's
+own queries count. A policy that needs no statistics pays nothing, and once no later step will evict none are
+computed.
 """
 from __future__ import annotations
 

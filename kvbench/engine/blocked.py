@@ -55,23 +55,44 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
 
     GQA: probabilities are computed per query head, then the query heads of a group are reduced to their
     KV head by the MEAN (a group's heads share the cached entry, so the entry's importance is their average).
+
+    The probabilities are first taken as exp(logit) / Σ exp(logit), without subtracting the row's maximum:
+    float32 holds that exactly as long as no exponential overflows and no row's sum underflows, and it saves
+    two passes over every block. Where either happens the step is computed again the usual way.
     """
+    out = _blocked_pass(query, key, scaling, past, visible_past, needs, history, window, softcap, value, False)
+    if out is None:
+        out = _blocked_pass(query, key, scaling, past, visible_past, needs, history, window, softcap, value, True)
+    return out
+
+
+# Row sums of exponentials outside (TINY_SUM, inf) mean the unshifted exponentials lost precision.
+TINY_SUM = 1e-30
+
+
+def _blocked_pass(query: torch.Tensor, key: torch.Tensor, scaling: float, past: int,
+                  visible_past: torch.Tensor | None, needs: frozenset[str], history: int, window: Window | None,
+                  softcap: float | None, value: torch.Tensor | None, shifted: bool) -> dict[str, torch.Tensor] | None:
+    """``attention_statistics``; with ``shifted`` False, None where an unshifted exponential fell out of range."""
     _, hq, q, dim = query.shape
     hkv, n = key.shape[1], key.shape[2]
     group = hq // hkv
     device = key.device
-    qh = (query[0].to(torch.float32) * scaling).view(hkv, group, q, dim)
-    kt = key[0].to(torch.float32).transpose(-1, -2)  # [hkv, dim, n], a view
+    # Rows in (query, head) order, so that a block's queries and its output are contiguous slices.
+    qh = (query[0].to(torch.float32) * scaling).view(hkv, group, q, dim).transpose(1, 2).contiguous()
+    kt = key[0].to(torch.float32).transpose(-1, -2).contiguous()  # [hkv, dim, n]: faster products than a view
     sums = [name for name in ("acc", "sumsq") if name in needs]
     out = {name: torch.zeros(hkv, n, device=device) for name in sums}
     log_from = q - min(q, history) if "qlog" in needs else q
     if log_from < q:
         out["qlog"] = torch.zeros(hkv, q - log_from, n, device=device)
         out["qlog_nvis"] = torch.zeros(hkv, q - log_from, device=device)
+    if "last" in needs:
+        out["last"] = torch.zeros(hkv, n, device=device)
     output = vh = None
     if value is not None:
         vh = value[0].to(torch.float32)
-        output = torch.empty(hkv, group, q, vh.shape[-1], device=device)
+        output = torch.empty(hkv, q, group, vh.shape[-1], device=device)
     # Sums (and the output) need every query; the last row and the query log only the step's last queries.
     first = 0 if output is not None or sums else min(log_from, q - 1 if "last" in needs else q)
     blocks = list(query_blocks(first, q, past, n, hq, window))
@@ -79,42 +100,81 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
         return out
     causal_only = visible_past is None and window is None
     largest = max((end - start) * (past + end - lo) for start, end, lo in blocks)
+    most = max(end - start for start, end, _ in blocks)
     buffer = torch.empty(hq * largest, device=device)  # every block's logits, then probabilities, in turn
-    ones = torch.ones(hkv, 1, group * max(end - start for start, end, _ in blocks), device=device)
+    later = torch.ones(most, most, dtype=torch.bool, device=device).triu_(1).unsqueeze(1)  # [query, head, own key]
+    smallest, largest_sum = [], []
     for start, end, lo in blocks:
         rows, hi = end - start, past + end
         cols = hi - lo
-        logits = buffer[: hq * rows * cols].view(hkv, group * rows, cols)
-        torch.bmm(qh[:, :, start:end].reshape(hkv, group * rows, dim), kt[:, :, lo:hi], out=logits)
-        grid = softcapped(logits, softcap).view(hkv, group, rows, cols)
+        logits = buffer[: hq * rows * cols].view(hkv, rows * group, cols)
+        torch.bmm(qh[:, start:end].view(hkv, rows * group, dim), kt[:, :, lo:hi], out=logits)
+        grid = softcapped(logits, softcap).view(hkv, rows, group, cols)
         if causal_only:  # only the block's own keys are hidden, from the queries before them
             if rows > 1:
-                later = torch.ones(rows, rows, dtype=torch.bool, device=device).triu_(1)
-                grid[..., past + start - lo :].masked_fill_(later, float("-inf"))
+                grid[..., past + start - lo :].masked_fill_(later[:rows, :, :rows], float("-inf"))
             nvis = torch.arange(past + start + 1, hi + 1, device=device, dtype=torch.float32).unsqueeze(0)
         else:
             allowed = visibility(past, start, end, hi, visible_past, device, window, lo)  # [hkv or 1, rows, cols]
-            grid.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
+            grid.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
             nvis = allowed.sum(dim=-1).to(torch.float32)
-        torch.softmax(logits, dim=-1, out=logits)
+        if shifted:
+            torch.softmax(logits, dim=-1, out=logits)
+            inverse = None
+        else:  # unnormalised: each row's 1 / Σ exp scales what is read from it
+            total = logits.exp_().sum(dim=-1, keepdim=True)  # [hkv, rows·group, 1]
+            smallest.append(total.amin())
+            largest_sum.append(total.amax())
+            inverse = total.reciprocal_()
         if output is not None:
-            output[:, :, start:end] = torch.bmm(logits, vh[:, lo:hi]).view(hkv, group, rows, -1)
-        # The group's mean row per query, where a statistic needs it; the sums alone take every head's rows.
-        mean = grid[:, 0] if group == 1 else grid.mean(dim=1) if needs & {"sumsq", "last", "qlog"} else None
-        if "acc" in out:  # a product with ones: the sum over the block's queries (and the group's heads)
-            if mean is not None:
-                out["acc"][:, lo:hi] += torch.bmm(ones[:, :, :rows], mean).view(hkv, cols)
-            else:
-                out["acc"][:, lo:hi] += torch.bmm(ones[:, :, : group * rows], logits).view(hkv, cols).div_(group)
-        if "last" in needs and end == q:
-            out["last"] = torch.zeros(hkv, n, device=device)
-            out["last"][:, lo:hi] = mean[:, -1]
-        if end > log_from:
-            low = max(start, log_from)
-            out["qlog"][:, low - log_from : end - log_from, lo:hi] = mean[:, low - start :]
-            out["qlog_nvis"][:, low - log_from : end - log_from] = nvis[:, low - start :].expand(hkv, -1)
-        if "sumsq" in out:
-            out["sumsq"][:, lo:hi] += torch.bmm(ones[:, :, :rows], mean.square()).view(hkv, cols)
+            block_output = output[:, start:end].view(hkv, rows * group, -1)
+            torch.bmm(logits, vh[:, lo:hi], out=block_output)
+            if inverse is not None:
+                block_output.mul_(inverse)
+        _fold_block(out, grid, inverse, lo, hi, start, end, q, log_from, nvis)
+    if smallest and not (torch.stack(smallest).min() > TINY_SUM and torch.stack(largest_sum).max().isfinite()):
+        return None
     if output is not None:
-        out["output"] = output.view(hq, q, -1).transpose(0, 1).unsqueeze(0).to(query.dtype)
+        out["output"] = output.transpose(0, 1).reshape(1, q, hq, -1).to(query.dtype)
     return out
+
+
+def _group_mean(grid: torch.Tensor, inverse: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
+    """The mean over a GQA group's heads of their probability rows [hkv, rows, cols]; ``inverse``
+    [hkv, rows·group, 1] normalises unnormalised rows on the way. One batched product of each row's group
+    with its weights: cheaper than a reduction over the head dimension, or than additions."""
+    hkv, _, group, cols = grid.shape
+    part = grid[:, rows]
+    if inverse is None:
+        if group == 1:
+            return part[:, :, 0]
+        weights = torch.full((hkv * part.shape[1], 1, group), 1.0 / group, device=grid.device)
+    else:
+        weights = inverse.view(hkv, -1, group)[:, rows].reshape(-1, 1, group) / group
+    return torch.bmm(weights, part.reshape(-1, group, cols)).view(hkv, -1, cols)
+
+
+def _fold_block(out: dict[str, torch.Tensor], grid: torch.Tensor, inverse: torch.Tensor | None, lo: int, hi: int,
+                start: int, end: int, q: int, log_from: int, nvis: torch.Tensor) -> None:
+    """Add one block's probabilities [hkv, rows, group, cols] (keys ``lo`` to ``hi``; unnormalised where
+    ``inverse`` is given) to the statistics; the block's buffer is not read again, so the sums may overwrite it."""
+    hkv, rows, group, cols = grid.shape
+    wants_last, wants_log = "last" in out and end == q, "qlog" in out and end > log_from
+    if wants_last or wants_log:  # the group's mean of the rows they read (the step's last queries)
+        low = max(start, log_from) if wants_log else end - 1
+        mean = _group_mean(grid, inverse, slice(low - start, None))
+        if wants_last:
+            out["last"][:, lo:hi] = mean[:, -1]
+        if wants_log:
+            out["qlog"][:, low - log_from : end - log_from, lo:hi] = mean
+            out["qlog_nvis"][:, low - log_from : end - log_from] = nvis[:, low - start :].expand(hkv, -1)
+    if "sumsq" in out:  # needs the group's mean for every query: the sum of the squares is of the mean
+        mean = _group_mean(grid, inverse)
+        ones = torch.ones(hkv, 1, rows, device=grid.device)
+        if "acc" in out:
+            out["acc"][:, lo:hi] += torch.bmm(ones, mean).view(hkv, cols)
+        out["sumsq"][:, lo:hi] += torch.bmm(ones, mean.square_()).view(hkv, cols)
+    elif "acc" in out:  # one product: the sum over the block's queries and the group's heads, each row weighted
+        weights = (torch.full((hkv, 1, rows * group), 1.0 / group, device=grid.device) if inverse is None
+                   else inverse.transpose(1, 2) / group)
+        out["acc"][:, lo:hi] += torch.bmm(weights, grid.view(hkv, rows * group, cols)).view(hkv, cols)

@@ -1,0 +1,127 @@
+"""Prefill time and peak memory of every policy's prompt compression against ``full`` (``bench_engine.py
+--prefill``): budget 0.25, stage prefill, one prompt per context, in one chunk or in chunks of ``--strides``.
+
+In each of ``--prefill-repeats`` rounds every policy prefills the same prompt in turn, the order rotating
+round by round, so that a slow spell of the machine lands on all of them alike; a figure is the median over
+rounds. Peak memory is measured on the same runs: on CUDA ``max_memory_allocated`` above what was allocated
+before; on CPU the peak resident set above the level before the run, sampled every millisecond, after glibc's
+allocator has handed every freed page back to the system (``malloc_trim``), so that memory an earlier run freed
+but kept cannot hide a later run's peak.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import psutil
+import torch
+
+from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.models import LoadedModel
+
+POLICIES = ["full", "h2o", "scissorhands", "roco", "mean_window", "accumulated_robust", "vatp",
+            "tova", "snapkv", "pyramidkv", "adakv"]
+BUDGET = 0.25
+
+
+def trim_freed_memory() -> bool:
+    """Hand the pages of every freed block back to the system (glibc); False where there is no glibc."""
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0)) or True
+    except (OSError, AttributeError):
+        return False
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA's allocator counter, or the sampled resident set on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        self.trimmed = trim_freed_memory()
+        self.proc, self.done = psutil.Process(), threading.Event()
+        self.base = self.highest = self.proc.memory_info().rss
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.is_set():
+            self.highest = max(self.highest, self.proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+            return
+        self.done.set()
+        self.thread.join()
+        self.peak = self.highest - self.base
+
+
+def prefill_run(lm: LoadedModel, ids: list[int], policy: Any, stride: int | None) -> tuple[float, int]:
+    """(prefill seconds, peak bytes above the level before) of one prompt compression."""
+    with PeakMemory(lm.device) as memory:
+        g = generate(lm.model, None, ids, policy, BUDGET, "prefill", DecodeSettings(max_new_tokens=1), stride=stride)
+    return g.prefill_s, memory.peak
+
+
+def prefill_table(lm: LoadedModel, policy_of: Any, prompt_of: Any, contexts: list[int], strides: list[int],
+                  repeats: int, names: list[str]) -> dict[str, Any]:
+    """{chunking: {context: {policy: {"s", "x_full", "peak_mb"}}}}; ``policy_of(name)`` builds a policy,
+    ``prompt_of(n)`` gives an n-token prompt; stride 0 is one chunk."""
+    lm.model.generation_config.eos_token_id = None
+    warm = prompt_of(256)
+    for name in names:  # every code path once, so that no first run pays for the allocator's growth
+        prefill_run(lm, warm, policy_of(name), 128)
+    table: dict[str, Any] = {"budget": BUDGET}
+    for stride in strides:
+        chunking = f"chunks of {stride}" if stride else "one chunk"
+        table[chunking] = {}
+        for n in contexts:
+            ids = prompt_of(n)
+            runs: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
+            for round_ in range(repeats):
+                for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+                    runs[name].append(prefill_run(lm, ids, policy_of(name), stride or None))
+                    s, peak = runs[name][-1]
+                    print(f"prefill {chunking} @ {n}: {name:>18} {s:7.2f} s, peak {peak / 2**20:7.0f} MiB", flush=True)
+            full = statistics.median(s for s, _ in runs["full"])
+            table[chunking][n] = {name: {"s": statistics.median(s for s, _ in r),
+                                         "x_full": statistics.median(s for s, _ in r) / full,
+                                         "peak_mb": statistics.median(p for _, p in r) / 2**20}
+                                  for name, r in runs.items()}
+    return table
+
+
+def prefill_markdown(table: dict[str, Any], model: str) -> str:
+    """One table per chunking: seconds (× full) and peak MiB above baseline, per policy and context."""
+    lines = []
+    for chunking, per_context in table.items():
+        if not isinstance(per_context, dict):
+            continue
+        contexts = list(per_context)
+        lines += ["", f"{model}, prefill {chunking}, budget {table['budget']}: seconds (× full), peak MiB above "
+                      "baseline", "",
+                  "| policy | " + " | ".join(f"{n} tokens" for n in contexts) + " |",
+                  "| --- |" + " --- |" * len(contexts)]
+        for name in per_context[contexts[0]]:
+            cells = [per_context[n][name] for n in contexts]
+            lines.append(f"| {name} | " + " | ".join(f"{c['s']:.2f} ({c['x_full']:.2f}), {c['peak_mb']:.0f} MiB"
+                                                     for c in cells) + " |")
+    return "\n".join(lines)
