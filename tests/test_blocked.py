@@ -113,3 +113,28 @@ def test_logits_beyond_float32_exponentials_are_computed_again_shifted(extreme, 
     calls.clear()
     blocked.attention_statistics(t(Q / 100), t(K), d ** -0.5, 0, None, NEEDS, HISTORY, value=t(V))
     assert calls == [False]  # ordinary logits: one pass
+
+
+def test_blocks_split_across_threads_give_the_one_thread_statistics(monkeypatch):
+    """The threads' shares add up to the single-threaded pass (to float rounding), under inference mode as
+    the engine runs it, and the caller's intra-op thread count is left as it was."""
+    from kvbench.engine.workers import split_across_threads
+
+    monkeypatch.setattr(blocked, "STATS_BLOCK_ELEMENTS", 4 * 300 * 20)  # blocks of 20 queries: 15 to share
+
+    rng = np.random.default_rng(2)
+    t = lambda *s: torch.tensor(rng.normal(size=s).astype(np.float32)).unsqueeze(0)  # noqa: E731
+    Q, K, V = t(4, 300, 8), t(2, 300, 8), t(2, 300, 8)
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                results[threads] = blocked.attention_statistics(Q, K, 8 ** -0.5, 0, None, NEEDS, HISTORY, value=V)
+            assert torch.get_num_threads() == threads
+        assert [len(share) for share in split_across_threads(list, list(range(7)), torch.device("cpu"))] == [3, 2, 2]
+    finally:
+        torch.set_num_threads(before)
+    for name, value in results[1].items():
+        torch.testing.assert_close(results[3][name], value, rtol=1e-5, atol=1e-6)

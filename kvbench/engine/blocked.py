@@ -10,11 +10,13 @@ a probability summed over thousands of queries needs the precision.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvbench.engine.visibility import Window, visibility
+from kvbench.engine.workers import split_across_threads
 
 # Upper bound on attention-probability elements materialised at once (statistics, blocked output, masks).
 STATS_BLOCK_ELEMENTS = 1 << 22
@@ -70,6 +72,23 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
 TINY_SUM = 1e-30
 
 
+@dataclass
+class _Step:
+    """What every block of one step reads (shared by the threads that attend its blocks)."""
+
+    queries: torch.Tensor  # [hkv, q, group, dim], scaled, rows in (query, head) order
+    keys: torch.Tensor  # [hkv, dim, n]
+    values: torch.Tensor | None  # [hkv, n, Dv]
+    output: torch.Tensor | None  # [hkv, q, group, Dv], each block writes its own rows
+    past: int
+    visible_past: torch.Tensor | None
+    window: Window | None
+    softcap: float | None
+    needs: frozenset[str]
+    log_from: int  # the first query the query log keeps
+    shifted: bool  # subtract each row's maximum before the exponential (else normalise unshifted sums)
+
+
 def _blocked_pass(query: torch.Tensor, key: torch.Tensor, scaling: float, past: int,
                   visible_past: torch.Tensor | None, needs: frozenset[str], history: int, window: Window | None,
                   softcap: float | None, value: torch.Tensor | None, shifted: bool) -> dict[str, torch.Tensor] | None:
@@ -79,64 +98,84 @@ def _blocked_pass(query: torch.Tensor, key: torch.Tensor, scaling: float, past: 
     group = hq // hkv
     device = key.device
     # Rows in (query, head) order, so that a block's queries and its output are contiguous slices.
-    qh = (query[0].to(torch.float32) * scaling).view(hkv, group, q, dim).transpose(1, 2).contiguous()
-    kt = key[0].to(torch.float32).transpose(-1, -2).contiguous()  # [hkv, dim, n]: faster products than a view
-    sums = [name for name in ("acc", "sumsq") if name in needs]
-    out = {name: torch.zeros(hkv, n, device=device) for name in sums}
-    log_from = q - min(q, history) if "qlog" in needs else q
-    if log_from < q:
-        out["qlog"] = torch.zeros(hkv, q - log_from, n, device=device)
-        out["qlog_nvis"] = torch.zeros(hkv, q - log_from, device=device)
-    if "last" in needs:
-        out["last"] = torch.zeros(hkv, n, device=device)
-    output = vh = None
+    queries = (query[0].to(torch.float32) * scaling).view(hkv, group, q, dim).transpose(1, 2).contiguous()
+    keys = key[0].to(torch.float32).transpose(-1, -2).contiguous()  # [hkv, dim, n]: faster products than a view
+    values = output = None
     if value is not None:
-        vh = value[0].to(torch.float32)
-        output = torch.empty(hkv, q, group, vh.shape[-1], device=device)
+        values = value[0].to(torch.float32)
+        output = torch.empty(hkv, q, group, values.shape[-1], device=device)
+    log_from = q - min(q, history) if "qlog" in needs else q
+    step = _Step(queries, keys, values, output, past, visible_past, window, softcap, needs, log_from, shifted)
     # Sums (and the output) need every query; the last row and the query log only the step's last queries.
+    sums = needs & {"acc", "sumsq"}
     first = 0 if output is not None or sums else min(log_from, q - 1 if "last" in needs else q)
     blocks = list(query_blocks(first, q, past, n, hq, window))
+    parts = split_across_threads(lambda share: _attend_blocks(step, share), blocks, device)
+    out = _empty_statistics(step, hkv, q, n)
+    for part, in_range in parts:
+        if not in_range:
+            return None
+        for name, value_ in part.items():
+            out[name] += value_
+    if output is not None:
+        out["output"] = output.transpose(0, 1).reshape(1, q, hq, -1).to(query.dtype)
+    return out
+
+
+def _empty_statistics(step: _Step, hkv: int, q: int, n: int) -> dict[str, torch.Tensor]:
+    device = step.keys.device
+    out = {name: torch.zeros(hkv, n, device=device) for name in ("acc", "sumsq", "last") if name in step.needs}
+    if step.log_from < q:
+        out["qlog"] = torch.zeros(hkv, q - step.log_from, n, device=device)
+        out["qlog_nvis"] = torch.zeros(hkv, q - step.log_from, device=device)
+    return out
+
+
+def _attend_blocks(step: _Step, blocks: Sequence[tuple[int, int, int]]) -> tuple[dict[str, torch.Tensor], bool]:
+    """One thread's share of the step's blocks: their statistics (zero outside them), their rows of the
+    output, and whether every unshifted row sum stayed inside float32's range."""
+    hkv, q, group, dim = step.queries.shape
+    n = step.keys.shape[-1]
+    device, past = step.keys.device, step.past
+    out = _empty_statistics(step, hkv, q, n)
     if not blocks:
-        return out
-    causal_only = visible_past is None and window is None
+        return out, True
+    causal_only = step.visible_past is None and step.window is None
     largest = max((end - start) * (past + end - lo) for start, end, lo in blocks)
     most = max(end - start for start, end, _ in blocks)
-    buffer = torch.empty(hq * largest, device=device)  # every block's logits, then probabilities, in turn
+    buffer = torch.empty(hkv * group * largest, device=device)  # each block's logits, then probabilities
     later = torch.ones(most, most, dtype=torch.bool, device=device).triu_(1).unsqueeze(1)  # [query, head, own key]
-    smallest, largest_sum = [], []
+    smallest, biggest = [], []
     for start, end, lo in blocks:
         rows, hi = end - start, past + end
         cols = hi - lo
-        logits = buffer[: hq * rows * cols].view(hkv, rows * group, cols)
-        torch.bmm(qh[:, start:end].view(hkv, rows * group, dim), kt[:, :, lo:hi], out=logits)
-        grid = softcapped(logits, softcap).view(hkv, rows, group, cols)
+        logits = buffer[: hkv * group * rows * cols].view(hkv, rows * group, cols)
+        torch.bmm(step.queries[:, start:end].view(hkv, rows * group, dim), step.keys[:, :, lo:hi], out=logits)
+        grid = softcapped(logits, step.softcap).view(hkv, rows, group, cols)
         if causal_only:  # only the block's own keys are hidden, from the queries before them
             if rows > 1:
                 grid[..., past + start - lo :].masked_fill_(later[:rows, :, :rows], float("-inf"))
             nvis = torch.arange(past + start + 1, hi + 1, device=device, dtype=torch.float32).unsqueeze(0)
         else:
-            allowed = visibility(past, start, end, hi, visible_past, device, window, lo)  # [hkv or 1, rows, cols]
+            allowed = visibility(past, start, end, hi, step.visible_past, device, step.window, lo)  # [hkv|1, rows, cols]
             grid.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
             nvis = allowed.sum(dim=-1).to(torch.float32)
-        if shifted:
+        inverse = None
+        if step.shifted:
             torch.softmax(logits, dim=-1, out=logits)
-            inverse = None
         else:  # unnormalised: each row's 1 / Σ exp scales what is read from it
             total = logits.exp_().sum(dim=-1, keepdim=True)  # [hkv, rows·group, 1]
             smallest.append(total.amin())
-            largest_sum.append(total.amax())
+            biggest.append(total.amax())
             inverse = total.reciprocal_()
-        if output is not None:
-            block_output = output[:, start:end].view(hkv, rows * group, -1)
-            torch.bmm(logits, vh[:, lo:hi], out=block_output)
+        if step.output is not None:
+            block_output = step.output[:, start:end].view(hkv, rows * group, -1)
+            torch.bmm(logits, step.values[:, lo:hi], out=block_output)
             if inverse is not None:
                 block_output.mul_(inverse)
-        _fold_block(out, grid, inverse, lo, hi, start, end, q, log_from, nvis)
-    if smallest and not (torch.stack(smallest).min() > TINY_SUM and torch.stack(largest_sum).max().isfinite()):
-        return None
-    if output is not None:
-        out["output"] = output.transpose(0, 1).reshape(1, q, hq, -1).to(query.dtype)
-    return out
+        _fold_block(out, grid, inverse, lo, hi, start, end, q, step.log_from, nvis)
+    in_range = not smallest or bool(torch.stack(smallest).min() > TINY_SUM and torch.stack(biggest).max().isfinite())
+    return out, in_range
 
 
 def _group_mean(grid: torch.Tensor, inverse: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
