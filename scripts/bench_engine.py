@@ -207,7 +207,8 @@ def main() -> None:
     ap.add_argument("--memory-repeats", type=int, default=2)
     ap.add_argument("--stride", type=int, default=1024, help="prefill chunk for the fixed-budget runs")
     ap.add_argument("--out", default="results/bench_engine")
-    ap.add_argument("--render", metavar="JSON", help="only print the tables of a saved bench_engine.json")
+    ap.add_argument("--render", metavar="JSON", help="only print the tables of a saved bench_engine.json or "
+                    "bench_prefill_<model>.json")
     ap.add_argument("--prefill", action="store_true", help="only the prefill table (prefill_bench.py)")
     ap.add_argument("--prefill-contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--strides", type=int, nargs="+", default=[0, 1024], help="prefill chunks; 0: one chunk")
@@ -215,7 +216,8 @@ def main() -> None:
     ap.add_argument("--prefill-policies", nargs="+", default=PREFILL_POLICIES)
     args = ap.parse_args()
     if args.render:
-        print(markdown(json.loads(Path(args.render).read_text())))
+        saved = json.loads(Path(args.render).read_text())
+        print(prefill_markdown(saved, args.model) if "budget" in saved else markdown(saved))
         return
 
     lm = load_model(args.model, **MODELS[args.model])

@@ -113,7 +113,7 @@ def prefill_markdown(table: dict[str, Any], model: str) -> str:
     """One table per chunking: seconds (× full) and peak MiB above baseline, per policy and context."""
     lines = []
     for chunking, per_context in table.items():
-        if not isinstance(per_context, dict):
+        if not chunking.startswith(("one chunk", "chunks of")):
             continue
         contexts = list(per_context)
         lines += ["", f"{model}, prefill {chunking}, budget {table['budget']}: seconds (× full), peak MiB above "
