@@ -3,10 +3,11 @@ probabilities, with no n×n matrix ever held.
 
 A block reads only the keys it can see: none past its last query (causality hides them from all of it) and, on
 a sliding-window layer, none before the window of its first query. Where causality alone hides keys, only the
-block's own (the diagonal) are masked. The block's products go into one reused buffer, its softmax is taken in
-place, and its sums over queries are matrix products, so that a prefill with statistics costs little more than
-the attention itself (``docs/perf/prefill.md``). Everything is computed in float32, whatever the model's dtype:
-a probability summed over thousands of queries needs the precision.
+block's own (the diagonal) are masked. The block's products go into one reused buffer, its exponentials are
+taken in place, its sums over queries are matrix products, and the blocks are split across the CPU threads, so
+that a prefill with statistics costs little more than the attention itself (``docs/perf/prefill.md``).
+Everything is computed in float32, whatever the model's dtype: a probability summed over thousands of queries
+needs the precision.
 """
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def _attend_blocks(step: _Step, blocks: Sequence[tuple[int, int, int]]) -> tuple
                 grid[..., past + start - lo :].masked_fill_(later[:rows, :, :rows], float("-inf"))
             nvis = torch.arange(past + start + 1, hi + 1, device=device, dtype=torch.float32).unsqueeze(0)
         else:
-            allowed = visibility(past, start, end, hi, step.visible_past, device, step.window, lo)  # [hkv|1, rows, cols]
+            allowed = visibility(past, start, end, hi, step.visible_past, device, step.window, lo)  # [hkv or 1, r, c]
             grid.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
             nvis = allowed.sum(dim=-1).to(torch.float32)
         inverse = None
