@@ -60,7 +60,7 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float,
     KV head by the MEAN (a group's heads share the cached entry, so the entry's importance is their average).
 
     The probabilities are first taken as exp(logit) / Σ exp(logit), without subtracting the row's maximum:
-    float32 holds that exactly as long as no exponential overflows and no row's sum underflows, and it saves
+    float32 holds that to its rounding as long as no exponential overflows and no row's sum underflows, and it saves
     two passes over every block. Where either happens the step is computed again the usual way.
     """
     out = _blocked_pass(query, key, scaling, past, visible_past, needs, history, window, softcap, value, False)
