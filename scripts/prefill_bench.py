@@ -29,15 +29,14 @@ POLICIES = ["full", "h2o", "scissorhands", "roco", "mean_window", "accumulated_r
 BUDGET = 0.25
 
 
-def trim_freed_memory() -> bool:
-    """Hand the pages of every freed block back to the system (glibc); False where there is no glibc."""
+def trim_freed_memory() -> None:
+    """Hand the pages of every freed block back to the system (glibc only; elsewhere nothing to do)."""
     gc.collect()
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0)) or True
-    except (OSError, AttributeError):
-        return False
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 class PeakMemory:
@@ -52,7 +51,7 @@ class PeakMemory:
             self.base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
-        self.trimmed = trim_freed_memory()
+        trim_freed_memory()
         self.proc, self.done = psutil.Process(), threading.Event()
         self.base = self.highest = self.proc.memory_info().rss
         self.thread = threading.Thread(target=self._sample, daemon=True)

@@ -133,6 +133,8 @@ def test_blocks_split_across_threads_give_the_one_thread_statistics(monkeypatch)
             with torch.inference_mode():
                 results[threads] = blocked.attention_statistics(Q, K, 8 ** -0.5, 0, None, NEEDS, HISTORY, value=V)
             assert torch.get_num_threads() == threads
+            if torch.backends.mkl.is_available():  # the threads' one-thread setting is global to MKL
+                assert f"mkl_get_max_threads() : {threads}" in torch.__config__.parallel_info()
         assert [len(share) for share in split_across_threads(list, list(range(7)), torch.device("cpu"))] == [3, 2, 2]
     finally:
         torch.set_num_threads(before)
