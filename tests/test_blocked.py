@@ -58,7 +58,7 @@ def test_blocked_pass_equals_numpy(case, block, monkeypatch):
     visible_past = rng.random((hkv, past)) > 0.3 if hide else None
     expected = numpy_attention(Q, K, V, past, k_pos, q_pos, visible_past, window, softcap)
     t = lambda a: torch.tensor(a).unsqueeze(0)  # noqa: E731
-    win = None if window is None else Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos))
+    win = None if window is None else Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos).unsqueeze(0))
     hidden = None if visible_past is None else torch.tensor(visible_past)
     schedule = list(blocked.query_blocks(0, q, past, n, hq, win))
     if block == 7:  # the configurations the case is meant to reach
@@ -83,7 +83,7 @@ def test_first_keys_holds_for_keys_in_any_order():
     """A key before the returned index is hidden from the query (and from every later one)."""
     positions = torch.tensor([[0, 9, 1, 2, 10, 3, 11, 12], [0, 1, 2, 3, 4, 10, 11, 12]])
     queries = torch.tensor([10, 11, 12, 13])
-    window = Window(3, positions, queries)
+    window = Window(3, positions, queries.unsqueeze(0))
     firsts = window.first_keys([0, 1, 2, 3])
     for i, first in enumerate(firsts):
         assert bool((queries[i] - positions[:, :first] >= 3).all())

@@ -102,31 +102,31 @@ def test_window_and_streamingllm_keep_exact_positions(tiny, random_ids):
 def test_kept_keys_keep_their_rotation(tiny, random_ids):
     """Layer 0 keys depend only on token and position, so the evicting cache's kept keys must equal
     the full cache's keys at the same absolute positions: no re-rotation, true positions for new tokens."""
-    from kvbench.engine import cache as cache_module
+    from kvbench.engine.cache.cache import KVCache
 
     ids = random_ids(40, seed=4)
     captured = {}
-    original = cache_module.BudgetedCache.summary
+    original = KVCache.summary
 
-    def spy(self):
+    def spy(self, slot=0):
         captured["cache"] = self
-        return original(self)
+        return original(self, slot)
 
-    cache_module.BudgetedCache.summary = spy
+    KVCache.summary = spy
     try:
         g = generate(tiny.model, None, ids, build_policy(POLICIES["streamingllm"]), 12, "both",
                      DecodeSettings(max_new_tokens=8))
-        evicting = captured["cache"].layers[0]
+        evicting = captured["cache"].layers[0].state()
         generate(tiny.model, None, ids, build_policy(POLICIES["full"]), 1.0, "both",
                  DecodeSettings(max_new_tokens=8), forced_tokens=g.tokens)
-        full = captured["cache"].layers[0]
+        full = captured["cache"].layers[0].state()
     finally:
-        cache_module.BudgetedCache.summary = original
-    n = evicting.length
-    positions = evicting.positions[:, :n]
+        KVCache.summary = original
+    positions = evicting.positions
     assert positions.max().item() == 40 + 8 - 2  # the last fed token sits at its true index
-    expected = full.keys[0].gather(1, positions.unsqueeze(-1).expand(-1, -1, full.keys.shape[-1]))
-    torch.testing.assert_close(evicting.keys[0, :, :n], expected, rtol=1e-6, atol=1e-6)
+    assert full.positions[0].tolist() == list(range(40 + 8 - 1))
+    expected = full.keys.gather(1, positions.unsqueeze(-1).expand(-1, -1, full.keys.shape[-1]))
+    torch.testing.assert_close(evicting.keys, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_budget_resolution_and_capacity():
@@ -135,11 +135,12 @@ def test_budget_resolution_and_capacity():
         with pytest.raises(ValueError, match="fraction in \\(0, 1\\]"):
             resolve_budget(bad, 100)
     # prefill: budget 25 + chunk 10 held during prefill, then 25 + 5 suffix + 20 new tokens.
-    assert plan_capacity("prefill", 25, 100, 5, 20, 10) == 50
+    # (most held while the prompt is fed, most held while decoding)
+    assert plan_capacity("prefill", 25, 100, 5, 20, 10) == (35, 50)
     # decode: the whole prompt, then one more before each eviction.
-    assert plan_capacity("decode", 25, 100, 0, 20, 100) == 101
-    assert plan_capacity("both", 25, 100, 0, 20, 10) == 35
-    assert plan_capacity("prefill", None, 100, 5, 20, 10) == 125
+    assert plan_capacity("decode", 25, 100, 0, 20, 100) == (100, 101)
+    assert plan_capacity("both", 25, 100, 0, 20, 10) == (35, 26)
+    assert plan_capacity("prefill", None, 100, 5, 20, 10) == (105, 125)
 
 
 def test_budget_below_protected_set_is_refused(tiny, random_ids):

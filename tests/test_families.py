@@ -276,7 +276,7 @@ def test_statistics_and_output_are_the_softcapped_windowed_attention_numpy_compu
     probs, out, visible = np_attention(Q, K_rep, V_rep, d ** -0.5, cap, window, q_pos, k_pos)
     group_mean = probs.reshape(hkv, hq // hkv, q, n).mean(1)
     t = lambda a: torch.tensor(a).unsqueeze(0)  # noqa: E731
-    win = Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos))
+    win = Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos).unsqueeze(0))
     got = attention.attention_statistics(t(Q), t(K), d ** -0.5, past, None, frozenset({"acc", "sumsq", "last", "qlog"}),
                                          history=3, window=win, softcap=cap, value=t(V))
     np.testing.assert_allclose(got["acc"], group_mean.sum(1), rtol=1e-5, atol=1e-6)
@@ -286,7 +286,7 @@ def test_statistics_and_output_are_the_softcapped_windowed_attention_numpy_compu
     np.testing.assert_allclose(got["qlog_nvis"], np.broadcast_to(visible[-3:].sum(-1), (hkv, 3)))
     np.testing.assert_allclose(got["output"][0].transpose(0, 1), out, rtol=1e-5, atol=1e-5)
     # The decode step (the chunk's last query alone over every key) computes the same row and output.
-    last = Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos[-1:]))
+    last = Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos[-1:]).unsqueeze(0))
     output, stats = attention.decode_attention(t(Q[:, -1:]), t(K), t(V), d ** -0.5, None, frozenset({"acc"}),
                                                window=last, softcap=cap)
     np.testing.assert_allclose(stats["acc"], group_mean[:, -1], rtol=1e-5, atol=1e-6)

@@ -13,8 +13,7 @@ from kvbench.policies.scores import RandomScore, Recency
 def state(positions: list[list[int]], seed: int = 0) -> TokenState:
     pos = torch.tensor(positions)
     h, n = pos.shape
-    return TokenState(keys=torch.zeros(h, n, 2), values=torch.zeros(h, n, 2), positions=pos, stats={},
-                      layer_idx=0, generator=torch.Generator().manual_seed(seed))
+    return TokenState(keys=torch.zeros(h, n, 2), values=torch.zeros(h, n, 2), positions=pos, stats={}, seed=seed)
 
 
 def test_recency_keeps_newest_per_head():
@@ -66,10 +65,10 @@ def test_random_is_seeded_uniform_and_sorted():
     k1, k2, k3 = p.select(s1, 10), p.select(s2, 10), p.select(s3, 10)
     assert torch.equal(k1, k2) and not torch.equal(k1, k3)
     assert torch.equal(k1, k1.sort().values) and len(set(k1[0].tolist())) == 10
-    # Uniform: over many draws every token is kept with probability budget / n = 0.2.
+    # Uniform: over many steps (draws afresh at each) every token is kept with probability budget / n = 0.2.
     counts = torch.zeros(50)
-    st = state([list(range(50))], seed=3)
-    for _ in range(2000):
+    for step in range(2000):
+        st = TokenState(positions=torch.arange(50).unsqueeze(0), seed=3, seen=50 + step)
         counts[p.select(st, 10)[0]] += 1
     assert (counts / 2000 - 0.2).abs().max() < 0.04
 
@@ -88,7 +87,7 @@ def test_full_never_evicts_and_unknown_parts_are_named():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from kvbench.engine.attention import attention_statistics, decode_attention, pooled_decode_attention  # noqa: E402
+from kvbench.engine.attention import attention_statistics, decode_attention  # noqa: E402
 from kvbench.policies.allocation import Adaptive, Pyramid  # noqa: E402
 from kvbench.policies.base import Allocation, Score  # noqa: E402
 from kvbench.policies.merge import merge_evicted  # noqa: E402
@@ -321,11 +320,12 @@ def test_decode_attention_gives_sdpa_output_and_the_reference_statistics(masked)
                         [False, True, True, True, True, True, True, True]]) if masked else np.ones((2, 8), bool)
     expected = np_statistics(q, k, 8, visible, history=4)
     t = lambda a: torch.tensor(a).float().unsqueeze(0)  # noqa: E731
-    output, got = decode_attention(t(q), t(k), t(v), 8**-0.5, torch.tensor(visible) if masked else None,
+    allowed = torch.cat([torch.tensor(visible), torch.ones(2, 1, dtype=torch.bool)], 1)
+    output, got = decode_attention(t(q), t(k), t(v), 8**-0.5, allowed if masked else None,
                                    frozenset({"acc", "sumsq", "last", "qlog"}), history=4)
     for name, ref in expected.items():
         np.testing.assert_allclose(got[name].numpy(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
-    allowed = torch.cat([torch.tensor(visible), torch.ones(2, 1, dtype=torch.bool)], 1).repeat_interleave(2, 0)
+    allowed = allowed.repeat_interleave(2, 0)
     sdpa = torch.nn.functional.scaled_dot_product_attention(t(q), t(k).repeat_interleave(2, 1), t(v).repeat_interleave(2, 1),
                                                             attn_mask=allowed.unsqueeze(1), scale=8**-0.5)
     torch.testing.assert_close(output, sdpa.transpose(1, 2), rtol=1e-5, atol=1e-6)
@@ -377,30 +377,24 @@ def test_in_order_shield_is_the_general_protected_set(scope, budget):
     assert scope.protected(uniform, budget).tolist() == general.tolist()
 
 
-def test_pooled_decode_attention_equals_decode_attention_over_each_heads_rows():
-    """A pool of (head, token) rows in any order, heads holding different counts: attending in place, each
-    head masked to its own rows, gives decode_attention's output over each head's rows gathered (padding
-    masked), and statistics that are exactly zero off a head's rows."""
+def test_batched_decode_attention_is_each_sequences_own():
+    """Three sequences in one decode step, each row masked to its own slots (free slots anywhere): the output
+    and statistics of each equal NumPy's for that sequence alone."""
     rng = np.random.default_rng(8)
-    rows, dim = 11, 8
-    owner_of = np.array([1, 0, 2, 1, 1, 0, 2, 3, 1, 0, 2])  # 3 = a free row
-    q, k, v = (torch.tensor(rng.normal(size=s)).float() for s in ((1, 6, 1, dim), (1, 1, rows, dim), (1, 1, rows, dim)))
-    owner = torch.tensor(owner_of[None, :] == np.arange(3)[:, None])
+    b, hq, hkv, n, dim = 3, 4, 2, 9, 8
+    q, k, v = rng.normal(size=(b, hq, 1, dim)), rng.normal(size=(b, hkv, n, dim)), rng.normal(size=(b, hkv, n, dim))
+    visible = rng.random((b * hkv, n)) < 0.7
+    visible[:, -1] = True
     needs = frozenset({"acc", "sumsq", "last", "qlog"})
-    bias = torch.zeros(3, rows).masked_fill(~owner, float("-inf"))
-    counts = owner.sum(dim=1)
-    output, stats = pooled_decode_attention(q, k, v, dim**-0.5, bias, counts, needs, history=2)
-    held = [np.flatnonzero(owner_of == h) for h in range(3)]
-    longest = max(len(r) for r in held)
-    view = torch.tensor([list(r) + [0] * (longest - len(r)) for r in held])
-    past_visible = torch.tensor([[j < len(r) for j in range(longest)] for r in held])[:, 1:]  # last entry: "new"
-    order = torch.cat([view[:, 1:], view[:, :1]], dim=1)  # decode_attention's new entry is the last one
-    ref_out, ref = decode_attention(q, k[0, 0][order].unsqueeze(0), v[0, 0][order].unsqueeze(0), dim**-0.5,
-                                    past_visible, needs, history=2)
-    torch.testing.assert_close(output, ref_out, rtol=1e-5, atol=1e-6)
-    visible = torch.cat([past_visible, torch.ones(3, 1, dtype=torch.bool)], 1)
-    for name in ("acc", "sumsq", "last"):
-        pooled = torch.zeros(3, rows).scatter_add_(1, order, ref[name] * visible)
-        torch.testing.assert_close(stats[name], pooled, rtol=1e-5, atol=1e-7)
-        assert (stats[name][~owner] == 0).all()
-    torch.testing.assert_close(stats["qlog_nvis"], torch.tensor([[3.0], [4.0], [3.0]]))  # rows each head holds
+    t = lambda a: torch.tensor(a).float()  # noqa: E731
+    output, got = decode_attention(t(q), t(k), t(v), dim**-0.5, torch.tensor(visible), needs, history=2)
+    for i in range(b):
+        rows = slice(i * hkv, (i + 1) * hkv)
+        expected = np_statistics(q[i], k[i], n - 1, visible[rows, :-1], history=2)
+        for name, ref in expected.items():
+            np.testing.assert_allclose(got[name][rows].numpy(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
+        mask = torch.tensor(visible[rows]).repeat_interleave(hq // hkv, 0).unsqueeze(1)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            t(q[i : i + 1]), t(k[i : i + 1]).repeat_interleave(2, 1), t(v[i : i + 1]).repeat_interleave(2, 1),
+            attn_mask=mask, scale=dim**-0.5)
+        torch.testing.assert_close(output[i : i + 1], sdpa.transpose(1, 2), rtol=1e-5, atol=1e-6)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvbench.engine.cache import BudgetedCache, LayerPlan
+from kvbench.engine.cache.cache import KVCache
+from kvbench.engine.plan import LayerPlan
 from kvbench.policies.allocation import Adaptive
 from kvbench.policies.base import Allocation, Policy
 from kvbench.policies.state import TokenState
@@ -153,21 +154,24 @@ def test_prefix_pooling_through_chunks_and_decode_steps(per_head, pooling):
     score = ObservationWindow(window=WINDOW, kernel_size=KERNEL, pooling=pooling)
     policy = Policy("snap", score, Everything(), allocation=Adaptive(floor=0.0) if per_head else Allocation())
     assert "count" in policy.needs
-    cache = BudgetedCache([LayerPlan(BUDGET, 16)], policy)
+    plans = [LayerPlan(BUDGET, prefill=16, decode=16, total=64)]
+    cache = KVCache([plans], policy)
+    cache.assign(0, plans)
     layer = cache.layers[0]
     fed = 0
     for q in [7, 6] + [1] * 12:
-        cache.begin_step(torch.arange(fed, fed + q), evicting=True, phase="prefill" if q > 1 else "decode")
-        keys, _ = layer.update(torch.randn(1, HEADS, q, DIM, generator=g), torch.randn(1, HEADS, q, DIM, generator=g))
+        cache.begin_step(0, 1, [list(range(fed, fed + q))], evicting=True, phase="prefill" if q > 1 else "decode")
+        keys, _ = cache.write(0, torch.randn(1, HEADS, q, DIM, generator=g), torch.randn(1, HEADS, q, DIM, generator=g))
         span, r = keys.shape[2], min(q, WINDOW)
-        rows = torch.rand(HEADS, r, span, generator=g)
-        if per_head and layer.view_index is None:  # a decode step over the pool: each head's own rows
-            rows = rows * (layer.pool_bias == 0).unsqueeze(1)
-        elif per_head and layer.visible_past is not None:
-            rows[:, :, : span - q] *= layer.visible_past.unsqueeze(1)
-        for i in range(r):  # causal within the step
-            rows[:, i, span - r + i + 1 :] = 0.0
+        visible = torch.ones(HEADS, span, dtype=torch.bool)
+        if layer.visible is not None:
+            visible[:, : layer.visible.shape[1]] = layer.visible
+        rows = torch.rand(HEADS, r, span, generator=g) * (visible & (layer.key_positions >= 0)).unsqueeze(1)
+        if q > 1:
+            for i in range(r):  # causal within the chunk
+                rows[:, i, span - r + i + 1 :] = 0.0
         cache.after_attention(0, q, {"qlog": rows, "qlog_nvis": torch.full((HEADS, r), float(span))})
+        cache.end_step()
         fed += q
         check_prefix_pooling(layer.state(), fed, score, pooling)
     assert fed > 2 * BUDGET

@@ -2,18 +2,18 @@
 
 Every argument the attention interface hands over is either implemented or refused (``family_arguments``):
 the layer's sliding window, by absolute position (key k is visible to query q when ``0 <= q - k < window``);
-logit softcapping (``cap · tanh(logit / cap)`` before the mask, Gemma 2); the family's scaling. Where no
-statistic needs every query, the output comes from transformers' SDPA path with a mask this function builds per
-layer (causal inside the new chunk, every kept past entry visible except what the window or ``visible_past``
-hides: masked replay, or the padding of a per-head-allocated layer's view), and the few rows a policy reads
-(the last query, an observation window) from ``blocked.attention_statistics``. A chunk whose statistics sum
-over every query, or a softcapped one (SDPA cannot softcap), takes its output and its statistics from one
-blocked pass (``engine/blocked.py``). A decode step (one query) of a policy that needs statistics computes its
-probabilities once and takes both the output and the statistics from them (a stacked cache's layers each leave
-their row for one fold of every layer's); a per-head-allocated layer's decode step attends over its pool of
-(head, token) rows in place. Once the output exists the cache folds the statistics in and evicts: the step's
-own queries count. A policy that needs no statistics pays nothing, and once no later step will evict none are
-computed.
+logit softcapping (``cap · tanh(logit / cap)`` before the mask, Gemma 2); the family's scaling.
+
+A decode step (one query per sequence, several sequences at once) attends over its rows' slots, each row
+masked to what it holds (``CacheLayer.visible``: free slots, masked replay) where needed: unmasked and without
+statistics it is transformers' SDPA; otherwise one batched product per row gives the output and the
+statistics from the same probabilities. A prompt chunk is one sequence's. Where no statistic needs every query,
+its output comes from SDPA with a mask built per layer (causal inside the chunk, every kept past entry visible
+except what the window or ``visible`` hides) and the few rows a policy reads (the last query, an observation
+window) from ``blocked.attention_statistics``; a chunk whose statistics sum over every query, or a softcapped
+one (SDPA cannot softcap), takes its output and statistics from one blocked pass (``engine/blocked.py``). Once
+the output exists the cache folds the statistics in; it evicts after the step's last layer. A policy that needs
+no statistics pays nothing, and once no later step will evict none are computed.
 """
 from __future__ import annotations
 
@@ -38,60 +38,33 @@ SUMMED_STATS = frozenset({"acc", "sumsq"})
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                     visible_past: torch.Tensor | None, needs: frozenset[str], history: int = 0,
-                     staged: torch.Tensor | None = None, window: Window | None = None,
+                     visible: torch.Tensor | None, needs: frozenset[str], history: int = 0,
+                     window: Window | None = None,
                      softcap: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One query that sees every held entry (but what ``visible_past`` or the window hides): the attention
-    output, in the layout transformers' attention functions return ([1, 1, heads, Dv]), and the statistics of
-    ``attention_statistics`` for that query, both from one set of probabilities (float32). With ``staged``
-    [kv_heads, n] (a stacked cache's row for this layer), the query's GQA-mean row is written there instead and
-    is the only statistic returned (``staged_row``): the cache folds every layer's at once."""
-    _, hq, _, dim = query.shape
+    """One query per sequence (query [B, heads, 1, D]) over its rows' keys [B, kv_heads, n, D], each row seeing
+    what ``visible`` [B × kv_heads, n] and the window show (None: every key). Returns the attention output in the
+    layout transformers' attention functions return ([B, 1, heads, Dv]) and the statistics of
+    ``attention_statistics`` for that query ([B × kv_heads, n] each), both from one set of probabilities
+    (float32). Each row is its own batched product: a sequence's result does not depend on the others'."""
+    b, hq, _, dim = query.shape
     hkv, n = key.shape[1], key.shape[2]
-    group = hq // hkv
-    qh = query[0].reshape(hkv, group, dim).to(torch.float32) * scaling
-    logits = softcapped(torch.matmul(qh, key[0].to(torch.float32).transpose(-1, -2)), softcap)  # [hkv, group, n]
-    visible = None
-    if visible_past is not None:
-        visible = torch.cat([visible_past, visible_past.new_ones(hkv, 1)], dim=1)
+    rows, group = b * hkv, hq // hkv
+    qh = query.reshape(rows, group, dim).to(torch.float32) * scaling
+    keys = key.reshape(rows, n, dim).to(torch.float32)
+    logits = softcapped(torch.bmm(qh, keys.transpose(1, 2)), softcap)  # [rows, group, n]
     if window is not None:
-        in_window = window.allowed(0, 1)[:, 0]  # [hkv or 1, n]
-        visible = in_window.expand(hkv, n) if visible is None else visible & in_window
+        in_window = window.allowed(0, 1)[:, 0]  # [rows, n]
+        visible = in_window if visible is None else visible & in_window
     if visible is not None:
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
     probs = logits.softmax(dim=-1)
-    output = torch.matmul(probs, value[0].to(torch.float32)).to(query.dtype).reshape(1, 1, hq, -1)
-    if staged is not None:
-        return output, {"staged_row": torch.mean(probs, dim=1, out=staged)}
+    output = torch.bmm(probs, value.reshape(rows, n, -1).to(torch.float32)).to(query.dtype).view(b, 1, hq, -1)
     return output, _decode_statistics(probs, None if visible is None else visible.sum(dim=-1), needs, history)
-
-
-def pooled_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                            bias: torch.Tensor, counts: torch.Tensor, needs: frozenset[str],
-                            history: int = 0, window: Window | None = None,
-                            softcap: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``decode_attention`` over a pool of (head, token) rows, key/value [1, 1, rows, D], where KV head h sees
-    the ``counts[h]`` rows whose ``bias[h]`` is 0 (-inf elsewhere; [kv_heads, rows], added to the logits: several
-    times cheaper than a broadcast mask). Two plain products over the pool, each row read once, instead of
-    gathering every head's rows into a padded view first. Statistics are [kv_heads, rows], exactly zero on the
-    rows a head does not hold. A window (key positions [1, rows]) hides rows outside it from every head."""
-    _, hq, _, dim = query.shape
-    hkv, rows = bias.shape
-    group = hq // hkv
-    qh = query[0, :, 0].to(torch.float32) * scaling  # [hq, D]
-    logits = softcapped(torch.matmul(qh, key[0, 0].to(torch.float32).transpose(0, 1)), softcap).view(hkv, group, rows)
-    if window is not None:
-        in_window = window.allowed(0, 1)[:, 0]  # [1, rows]
-        bias = bias.masked_fill(~in_window, float("-inf"))
-        counts = (bias == 0).sum(dim=-1)
-    probs = logits.add_(bias.unsqueeze(1)).softmax(dim=-1)
-    output = torch.matmul(probs.view(hq, rows), value[0, 0].to(torch.float32)).to(query.dtype).view(1, 1, hq, -1)
-    return output, _decode_statistics(probs, counts, needs, history)
 
 
 def _decode_statistics(probs: torch.Tensor, counts: torch.Tensor | None, needs: frozenset[str],
                        history: int) -> dict[str, torch.Tensor]:
-    """The statistics of one query's probabilities [hkv, group, n]; ``counts`` [hkv]: how many keys each KV head
+    """The statistics of one query's probabilities [rows, group, n]; ``counts`` [rows]: how many keys each row
     saw (None: all n)."""
     row = probs.mean(dim=1)  # GQA: the group's mean, [hkv, n]
     stats: dict[str, torch.Tensor] = {}
@@ -134,38 +107,38 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, None]:
     cache = kwargs.pop("kvbench_cache", None)
-    if cache is None:  # a plain call (no BudgetedCache): behave exactly like SDPA
+    if cache is None:  # a plain call (no kvbench cache): behave exactly like SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     layer = cache.layers[module.layer_idx]
     kwargs["dropout"] = dropout  # the rest of kwargs is not read past this point
     size, softcap = family_arguments(module.layer_idx, kwargs, layer.plan.window)
-    q, n = query.shape[2], key.shape[2]
-    past = n - q
+    q = query.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     policy = layer.policy
     needs = policy.needs if cache.collecting else frozenset()
     window = layer.step_window(size)
-    if layer.pool_bias is not None:  # a per-head-allocated layer's decode step: keys are its whole pool
-        output, stats = pooled_decode_attention(query, key, value, scaling, layer.pool_bias, layer.lengths, needs,
-                                                policy.history, window, softcap)
-        cache.after_attention(module.layer_idx, q, stats)
-        return output, None
     collecting = bool(needs & ATTENTION_STATS)
-    if q == 1 and (collecting or softcap is not None):
-        staged = cache.stack.staged_row(module.layer_idx, n) if cache.staging else None
-        output, stats = decode_attention(query, key, value, scaling, layer.visible_past, needs, policy.history,
-                                         staged, window, softcap)
+    if q == 1:
+        if collecting or softcap is not None or layer.visible is not None or window is not None:
+            output, stats = decode_attention(query, key, value, scaling, layer.visible, needs, policy.history,
+                                             window, softcap)
+        else:
+            output, stats = sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling,
+                                                   is_causal=False)[0], {}
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
-    if softcap is not None or (q > 1 and needs & SUMMED_STATS):  # one blocked pass: the output and the statistics
-        stats = attention_statistics(query, key, scaling, past, layer.visible_past, needs if collecting else
+    if query.shape[0] != 1:
+        raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
+    past = key.shape[2] - q
+    if softcap is not None or needs & SUMMED_STATS:  # one blocked pass: the output and the statistics
+        stats = attention_statistics(query, key, scaling, past, layer.visible, needs if collecting else
                                      frozenset(), policy.history, window, softcap, value)
         output = stats.pop("output")
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
-    output = _sdpa(module, query, key, value, scaling, past, layer.visible_past, window)
-    stats = (attention_statistics(query, key, scaling, past, layer.visible_past, needs, policy.history, window)
+    output = _sdpa(module, query, key, value, scaling, past, layer.visible, window)
+    stats = (attention_statistics(query, key, scaling, past, layer.visible, needs, policy.history, window)
              if collecting else {})
     cache.after_attention(module.layer_idx, q, stats)
     return output, None

@@ -46,7 +46,7 @@ class _Layer:
 
 
 class FusedLlama:
-    """Call like the model (input ids, positions, cache) and get the last position's logits."""
+    """Call like the model (input ids, positions, cache) and get each sequence's last logits [B, V]."""
 
     def __init__(self, model: Any):
         ok, why = supports(model)
@@ -91,4 +91,4 @@ class FusedLlama:
             x = layer.norm_post(hidden)
             gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + (torch.nn.functional.silu(gate) * up) @ layer.down
-        return (self.norm(hidden[:, -1:]) @ self.lm_head)[0, -1]
+        return (self.norm(hidden[:, -1:]) @ self.lm_head)[:, -1]

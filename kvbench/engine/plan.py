@@ -9,27 +9,59 @@ policy always evicts in the sliding layers, holding at most min(budget, window -
 """
 from __future__ import annotations
 
-from kvbench.engine.cache import LayerPlan
+from dataclasses import dataclass
+
 from kvbench.policies.base import Policy
 from kvbench.policies.scopes import Everything
 from kvbench.policies.scores import Recency
 
 
-def plan_capacity(stage: str, budget: int | None, context: int, suffix: int, max_new: int, chunk: int) -> int:
-    """The most tokens a layer ever holds under this schedule (pre-allocated once)."""
+@dataclass
+class LayerPlan:
+    """What one layer of one sequence may hold: its token budget in the policy's evicting steps (None = the policy
+    never evicts here) and the most entries a row holds while the prompt is fed (``prefill``) and while
+    decoding (``decode``), of ``total`` tokens in all. A sliding-window layer (``window``) also drops, after every
+    step, what its next query cannot see: each head keeps at most its newest ``window - 1`` entries (``hold``),
+    which is exact. ``policy`` replaces the run's policy in this layer (a sliding layer that only holds its
+    window)."""
+
+    budget: int | None
+    prefill: int
+    decode: int
+    total: int
+    window: int | None = None
+    policy: Policy | None = None
+
+    @property
+    def hold(self) -> int | None:
+        return None if self.window is None else self.window - 1
+
+    @property
+    def capacity(self) -> int:
+        return max(self.prefill, self.decode)
+
+    def rows_capacity(self, heads: int, role: str, policy: Policy) -> int:
+        """Slots a row needs in ``role`` ("prefill", "decode" or "both"). Under per-head allocation one head may
+        come to hold most of its layer's ``heads × budget``."""
+        cap = {"prefill": self.prefill, "decode": self.decode, "both": self.capacity}[role]
+        if policy.allocation.per_head and self.budget is not None:
+            cap = min(self.total, cap + (heads - 1) * self.budget)
+        return cap
+
+
+def plan_capacity(stage: str, budget: int | None, context: int, suffix: int, max_new: int,
+                  chunk: int) -> tuple[int, int]:
+    """The most tokens a layer holds while the prompt (and suffix) is fed, and while decoding."""
     total = context + suffix + max_new
     if budget is None:
-        return total
+        return context + suffix, total
     prefill_evicts = stage in ("prefill", "both")
     decode_evicts = stage in ("decode", "both")
     held_in_prefill = min(context, budget + chunk) if prefill_evicts else context
     after_prefill = min(context, budget) if prefill_evicts else context
     after_suffix = after_prefill + suffix
-    if decode_evicts:
-        peak = max(held_in_prefill, max(after_suffix, budget) + 1)
-    else:
-        peak = max(held_in_prefill, after_suffix + max_new)
-    return min(total, peak)
+    decode = max(after_suffix, budget) + 1 if decode_evicts else after_suffix + max_new
+    return min(total, max(held_in_prefill, after_suffix)), min(total, decode)
 
 
 def evicts_in_sliding_layers(policy: Policy, windows: list[int | None]) -> bool:
@@ -70,16 +102,17 @@ def plan_layers(policy: Policy, budget: int | None, windows: list[int | None], s
             limit = min(limit, min(windows[i] for i in evicting) - 1)
         budgets.update(zip(evicting, policy.layer_budgets(budget, len(evicting), limit)))
     plans, held_window = [], window_only(policy)
+    total = context + suffix + max_new
     for i, window in enumerate(windows):
         b = budgets[i]
         if window is None:
-            plans.append(LayerPlan(b, plan_capacity(stage, b, context, suffix, max_new, chunk)))
+            plans.append(LayerPlan(b, *plan_capacity(stage, b, context, suffix, max_new, chunk), total))
             continue
         hold_cap = plan_capacity("both", window - 1, context, suffix, max_new, chunk)
         if i in evicting and b is not None:
             b = min(b, window - 1)
-            cap = min(hold_cap, plan_capacity(stage, b, context, suffix, max_new, chunk))
-            plans.append(LayerPlan(b, cap, window))
+            caps = plan_capacity(stage, b, context, suffix, max_new, chunk)
+            plans.append(LayerPlan(b, min(hold_cap[0], caps[0]), min(hold_cap[1], caps[1]), total, window))
         else:
-            plans.append(LayerPlan(None, hold_cap, window, policy=held_window))
+            plans.append(LayerPlan(None, *hold_cap, total, window, policy=held_window))
     return plans

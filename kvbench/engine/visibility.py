@@ -9,25 +9,28 @@ import torch
 
 @dataclass
 class Window:
-    """A sliding-window layer's visibility by absolute position: key k is visible to query q iff q - k < size."""
+    """A sliding-window layer's visibility by absolute position: key k is visible to query q iff q - k < size.
+    A free slot's position is -1: outside every window."""
 
     size: int
-    key_positions: torch.Tensor  # [heads or 1, n]
-    query_positions: torch.Tensor  # [q]
+    key_positions: torch.Tensor  # [rows or 1, n]
+    query_positions: torch.Tensor  # [rows or 1, q]
 
     def allowed(self, q_start: int, q_end: int, keys: int | None = None, lo: int = 0) -> torch.Tensor:
-        """Bool [heads or 1, q_end - q_start, keys - lo]: over keys ``lo`` to ``keys`` (default all)."""
+        """Bool [rows or 1, q_end - q_start, keys - lo]: over keys ``lo`` to ``keys`` (default all)."""
         held = self.key_positions[:, lo:keys]
-        gap = self.query_positions[q_start:q_end].view(1, -1, 1) - held.unsqueeze(1)
-        return gap < self.size
+        gap = self.query_positions[:, q_start:q_end].unsqueeze(-1) - held.unsqueeze(1)
+        return (gap < self.size) & (held >= 0).unsqueeze(1)
 
     def first_keys(self, q_starts: list[int]) -> list[int]:
-        """Per query index, the first key index any head may show it: every key before it is at or past the
-        window's edge for that query, and so for every later one. Holds whatever order the keys are held in."""
-        edges = self.query_positions[q_starts] - self.size  # a key at or before the edge is hidden
+        """Per query index, the first key index any row may show it: every key before it is at or past the
+        window's edge for that query, and so for every later one. Holds whatever order the keys are held in.
+        (One sequence's chunk: every row has the same queries.)"""
+        edges = self.query_positions[0, q_starts] - self.size  # a key at or before the edge is hidden
         reach = torch.cummax(self.key_positions, dim=-1).values  # sorted, so searchable in any key order
         edges = edges.to(reach.dtype).unsqueeze(0).expand(reach.shape[0], -1).contiguous()
         return torch.searchsorted(reach.contiguous(), edges, right=True).min(dim=0).values.tolist()
+
 
 def visibility(past: int, q_start: int, q_end: int, n: int, visible_past: torch.Tensor | None,
                device: torch.device, window: Window | None = None, lo: int = 0) -> torch.Tensor:

@@ -96,16 +96,17 @@ class Adaptive(Allocation):
             raise ValueError(f"floor={floor} must be a fraction of the budget in [0, 1]")
         self.floor = float(floor)
 
-    def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int, layers: int = 1) -> torch.Tensor:
-        """``layers`` > 1: the rows are the heads of that many layers, each splitting its own total; they must
-        hold the same count (every decode step of a full cache drops one entry per head in every layer)."""
+    def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int, units: int = 1) -> torch.Tensor:
+        """``units`` > 1: the rows are the heads of that many (layer, sequence) units, each splitting its own
+        total; they must hold the same count (the cache groups them so)."""
         rows, n = scores.shape
+        layers = units
         h = rows // layers
         valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
         lengths = valid.sum(dim=1)
         held = set(lengths.view(layers, h).sum(dim=1).tolist())
         if len(held) != 1:
-            raise ValueError(f"layers split together must hold the same count, not {sorted(held)}")
+            raise ValueError(f"units split together must hold the same count, not {sorted(held)}")
         drops = held.pop() - h * budget
         if drops <= 0:
             return valid.clone()

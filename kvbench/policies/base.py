@@ -36,9 +36,6 @@ class Score(ABC):
     # Per-entry quantities fixed when an entry is written (``features``), kept beside the statistics so that
     # a score reads them instead of recomputing them from every held key or value at every step.
     feature_names: frozenset[str] = frozenset()
-    # Whether an entry's score depends only on its own row of the state, not on how many entries are scored at
-    # once nor on other rows: layers of different budgets can then be scored together, padded to one length.
-    row_local: bool = True
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -103,10 +100,10 @@ class Allocation:
         ``reserved`` is what the scope protects whatever the scores (see ``Scope.reserved``)."""
         return [budget] * n_layers
 
-    def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int, layers: int = 1) -> torch.Tensor:
-        """Bool keep mask [H, n]. ``scores`` already carry +inf on protected entries; every head keeps
-        ``budget`` entries (or all it holds, if fewer). ``layers``: how many layers' heads the rows hold (see
-        ``TokenState.layers``); a split across heads stays within a layer, here every row stands alone."""
+    def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int, units: int = 1) -> torch.Tensor:
+        """Bool keep mask [rows, n]. ``scores`` already carry +inf on protected entries; every row keeps
+        ``budget`` entries (or all it holds, if fewer). ``units``: how many (layer, sequence) blocks the rows
+        make (see ``TokenState.units``); a split across heads stays within one, here every row stands alone."""
         if valid is not None:
             scores = scores.masked_fill(~valid, float("-inf"))
         k = min(budget, scores.shape[-1])
@@ -193,7 +190,7 @@ class Policy:
     def keep_mask(self, state: TokenState, budget: int) -> torch.Tensor:
         """Bool [H, n]: what each head keeps. ``budget`` is the per-head budget (the average, under
         per-head allocation: the layer keeps ``heads × budget`` entries in all)."""
-        return self.allocation.keep(self.scored(state, budget), state.valid, budget, state.layers)
+        return self.allocation.keep(self.scored(state, budget), state.valid, budget, state.units)
 
     def select(self, state: TokenState, budget: int) -> torch.Tensor:
         """Indices to keep, [kv_heads, budget], ascending so kept tokens stay in sequence order

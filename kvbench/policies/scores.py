@@ -22,14 +22,26 @@ class Recency(Score):
 
 
 class RandomScore(Score):
-    """Uniform random scores from the cache's seeded generator: evicts a uniformly random subset."""
+    """Uniform random scores: evicts a uniformly random subset, drawn afresh at every step.
 
-    row_local = False  # what an entry draws depends on how many are drawn with it
+    An entry's draw is a hash of the run's seed, its row (layer and KV head), its position and the tokens fed so
+    far, so it does not depend on which other rows or sequences are scored with it: a sequence evicts the same
+    entries alone or in any batch."""
 
     def __call__(self, state: TokenState) -> torch.Tensor:
-        return torch.rand(
-            state.positions.shape, generator=state.generator, device=state.positions.device, dtype=torch.float32
-        )
+        return uniform_hash(state.seed, state.row_keys, state.positions, state.seen)
+
+
+def uniform_hash(seed: int, rows: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor | int | None) -> torch.Tensor:
+    """Floats in [0, 1) from integer inputs (murmur3's 32-bit finaliser over a mix of them), [rows, n]."""
+    mask = 0xFFFFFFFF
+    seen = torch.as_tensor(0 if seen is None else seen, device=positions.device)
+    x = (positions * 2654435761) & mask
+    x = x ^ ((rows * 2246822519) & mask) ^ ((seen * 3266489917) & mask) ^ ((int(seed) * 668265263) & mask)
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        x = ((x ^ (x >> shift)) * mult) & mask
+    x = x ^ (x >> 16)
+    return (x >> 8).to(torch.float32) / float(1 << 24)
 
 
 class Accumulated(Score):
@@ -235,7 +247,6 @@ class ValueAware(Score):
         self.unsupported_stages = self.base.unsupported_stages
         self.why_unsupported = self.base.why_unsupported
         self.feature_names = self.base.feature_names | {"value_norm"}
-        self.row_local = self.base.row_local
 
     def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.base.features(keys, values) | {"value_norm": values.to(torch.float32).norm(p=self.p, dim=-1)}
@@ -250,8 +261,6 @@ class ValueAware(Score):
 class SharedAcrossHeads(Score):
     """One kept set per layer: the inner score averaged over the layer's KV heads (TOVA's layer-wise choice).
     Needs heads sharing one length (uniform allocation)."""
-
-    row_local = False
 
     def __init__(self, inner: Score):
         self.inner = inner
@@ -271,7 +280,7 @@ class SharedAcrossHeads(Score):
         if state.valid is not None:
             raise ValueError("shared: true needs heads holding the same tokens; it cannot run with per-head allocation")
         scores = self.inner(state).to(torch.float32)
-        per_layer = scores.reshape(state.layers, -1, scores.shape[-1])  # a stack's layers each choose their own
+        per_layer = scores.reshape(state.units, -1, scores.shape[-1])  # each (layer, sequence) chooses its own
         return per_layer.mean(dim=1, keepdim=True).expand_as(per_layer).reshape(scores.shape)
 
 

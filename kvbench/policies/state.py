@@ -41,11 +41,12 @@ class TokenState:
     have zero statistics and are never protected or kept.
 
     ``phase`` is "prefill" while the prompt is being encoded and "decode" while tokens are generated.
-    ``derived`` presets quantities of ``derived()`` that the layer can compute more cheaply itself, ``lengths``
-    the count per head. ``layers`` > 1 when the rows are the heads of that many decoder layers, evicted at once
-    (layer l's heads are rows l·H to (l+1)·H - 1): a part that mixes heads mixes those of one layer only.
-    ``window`` (a sliding-window layer's) and ``seen`` (tokens fed so far): the next query sees only entries at
-    positions above ``seen - window``.
+    ``derived`` presets quantities of ``derived()`` that the cache can compute more cheaply itself, ``lengths``
+    the count per row. The rows come in ``units`` equal blocks, one per (layer, sequence): the KV heads of one
+    layer of one sequence. A part that mixes rows (a split across heads, a kept set shared by heads) mixes those
+    of one unit only. ``window`` (a sliding-window layer's) and ``seen`` (tokens fed so far, [rows, 1] or an int):
+    the next query sees only entries at positions above ``seen - window``. ``seed`` and ``row_keys`` ([rows, 1]:
+    each row's layer and head, the same for a sequence in any batch) seed random scores.
     """
 
     def __init__(
@@ -54,16 +55,16 @@ class TokenState:
         values: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         stats: dict[str, torch.Tensor] | None = None,
-        layer_idx: int = 0,
-        generator: torch.Generator | None = None,
         phase: str = "prefill",
         valid: torch.Tensor | None = None,
         load_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
         derived: dict[str, torch.Tensor] | None = None,
         lengths: torch.Tensor | None = None,
-        layers: int = 1,
+        units: int = 1,
         window: int | None = None,
         seen: torch.Tensor | int | None = None,
+        seed: int = 0,
+        row_keys: torch.Tensor | None = None,
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
@@ -72,14 +73,15 @@ class TokenState:
         self._keys, self._values, self._load_kv = keys, values, load_kv
         self.positions = positions
         self.stats = stats or {}
-        self.layer_idx = layer_idx
-        self.generator = generator
         self.phase = phase
         self.valid = valid
         self._derived: dict[str, torch.Tensor] = dict(derived or {})
         self._lengths = lengths
-        self.layers = layers
+        self.units = units
         self.window, self.seen = window, seen
+        self.seed = seed
+        self.row_keys = row_keys if row_keys is not None else torch.arange(
+            positions.shape[0], device=positions.device).unsqueeze(1)
 
     def outside_window(self) -> torch.Tensor | None:
         """Bool [H, n]: entries the next query cannot see (a sliding-window layer's), or None."""

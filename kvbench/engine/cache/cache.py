@@ -1,0 +1,399 @@
+"""The transformers ``Cache`` face of the ragged layout: one ``CacheLayer`` per decoder layer, one ``Entries``.
+
+A step feeds the same number of tokens to a range of sequence slots ``lo:hi`` (one sequence's prompt chunk, or one
+decode token for each of several sequences). ``begin_step`` sets their positions; each layer's ``update`` writes
+its new entries and returns the step's keys and values, [slots, heads, n, D]; the attention function reads what
+each key's visibility is (``CacheLayer.visible``) and hands its statistics back (``after_attention``); once every
+layer has attended, ``end_step`` evicts (a layer's cache is not read again before the next step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvbench.engine.cache import evict as evicting
+from kvbench.engine.cache.entries import STAT_NAMES, Entries
+from kvbench.engine.cache.store import KVStore
+from kvbench.engine.plan import LayerPlan
+from kvbench.engine.visibility import Window
+from kvbench.policies.base import Policy
+from kvbench.policies.state import TokenState
+from kvbench.policies.positions import Rotary, layer_rotaries
+
+
+@dataclass
+class CacheStats:
+    kept_per_layer: list[float] = field(default_factory=list)
+    resident_bytes: int = 0
+    capacity_bytes: int = 0
+    resident_per_layer: list[int] = field(default_factory=list)
+
+
+class CacheLayer(CacheLayerMixin):
+    """One decoder layer: its K/V store and what the current step's keys are."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: "KVCache", layer_idx: int, plan: LayerPlan, capacity: int):
+        super().__init__()
+        self.cache, self.layer_idx, self.plan, self.capacity = cache, layer_idx, plan, capacity
+        self.policy: Policy = plan.policy or cache.policy
+        self.store: KVStore | None = None
+        self.rotary: Rotary | None = None
+        # The step's keys: how many (slots 0:n), how many precede the step's own (q > 1), which are visible
+        # ([rows, n] for a decode step, [rows, past] for a chunk; None: all) and their positions [rows, n].
+        self.n = self.past = 0
+        self.visible: torch.Tensor | None = None
+        self.key_positions: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.cache.write(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n or query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        raise RuntimeError("a kvbench cache is built per run; it is never reset")
+
+    def state(self, slot: int = 0) -> TokenState:
+        """What this layer holds for the sequence in ``slot``, as its policy ranks it."""
+        return self.cache.layer_state(self.layer_idx, slot)
+
+    def step_window(self, size: int | None) -> Window | None:
+        """The step's sliding window over its keys, or None where every visible key is inside it."""
+        if size is None:
+            return None
+        cache = self.cache
+        queries = cache.query_positions  # [rows, q]
+        keys = self.key_positions
+        held = keys if self.visible is None or self.visible.shape[1] != keys.shape[1] else keys.masked_fill(
+            ~self.visible, -1)
+        oldest = held.masked_fill(held < 0, torch.iinfo(held.dtype).max).amin(dim=1)
+        if bool((queries[:, -1] - oldest < size).all()):
+            return None
+        return Window(size, held, queries)
+
+
+class KVCache(Cache):
+    """Rows for ``slots`` sequences. ``plan_sets``: the layer plans of every sequence it will hold (capacities are
+    the largest they need in ``role``: "prefill" for the prompt, "decode" for generating, "both"). ``model`` is
+    needed only for ``positions: reindex`` (its rotary embedding)."""
+
+    def __init__(self, plan_sets: list[list[LayerPlan]], policy: Policy, slots: int = 1, role: str = "both",
+                 seed: int = 0, device: torch.device | str = "cpu", model: Any = None):
+        self.policy, self.slots, self.role, self.seed = policy, slots, role, seed
+        self.device = torch.device(device)
+        plans = plan_sets[0]
+        self.plan_sets = plan_sets
+        self.rotaries: list[Rotary] | None = None
+        if policy.positions == "reindex":
+            if model is None:
+                raise ValueError("positions=reindex needs the model (its rotary embedding) to build the cache")
+            self.rotaries = layer_rotaries(model)
+        layers = [CacheLayer(self, i, plan, 0) for i, plan in enumerate(plans)]
+        super().__init__(layers=layers)
+        if self.rotaries is not None:
+            for layer, rotary in zip(self.layers, self.rotaries):
+                layer.rotary = rotary if rotary.rot_dim > 0 else None
+        self.budgets: list[list[int | None]] = [[None] * slots for _ in plans]
+        self.entries: Entries | None = None
+        self.lo = self.hi = 0
+        self.evicting, self.collecting, self.phase = False, True, "prefill"
+        self._pending: torch.Tensor | None = None
+        self._cache: dict[Any, torch.Tensor] = {}
+        self.hidden: list[torch.Tensor | None] | None = None
+        self.seen = [0] * slots  # per slot, tokens fed so far
+
+    # -- allocation --------------------------------------------------------------------------------------
+    def _capacity(self, layer: int, heads: int) -> int:
+        return max(plans[layer].rows_capacity(heads, self.role, self.policy_of(layer)) for plans in self.plan_sets)
+
+    def policy_of(self, layer: int) -> Policy:
+        return self.layers[layer].policy
+
+    def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype) -> None:
+        """Buffers for every layer, from the shapes of one layer's keys and values."""
+        caps = [self._capacity(l, heads) for l in range(len(self.layers))]
+        columns = sorted({n for l in range(len(self.layers)) for n in self.policy_of(l).needs if n in STAT_NAMES}
+                         | {n for l in range(len(self.layers)) for n in self.policy_of(l).feature_names})
+        history = max(self.policy_of(l).history for l in range(len(self.layers)))
+        self.entries = Entries(len(self.layers), self.slots, heads, max(caps), columns, history, self.device)
+        self.shapes = (heads, k_dim, v_dim, dtype)
+        for layer, cap in zip(self.layers, caps):
+            layer.capacity = cap
+            layer.store = KVStore(self.slots * heads, cap, k_dim, v_dim, dtype, self.device, layer.policy.quantize)
+            layer.is_initialized = True
+        e = self.entries
+        head = torch.arange(e.layers * e.rows, device=self.device)
+        self.row_keys = (head // e.rows) * heads + head % heads
+
+    def assign(self, slot: int, plans: list[LayerPlan]) -> None:
+        """Slot ``slot`` now holds a sequence with these plans (its budgets)."""
+        for l, plan in enumerate(plans):
+            self.budgets[l][slot] = plan.budget
+
+    # -- a step --------------------------------------------------------------------------------------------
+    def begin_step(self, lo: int, hi: int, positions: list[list[int]], evicting: bool, phase: str = "prefill",
+                   collecting: bool = True) -> torch.Tensor:
+        """Slots ``lo:hi`` are fed tokens at absolute ``positions`` (one list per slot, of one length). Returns
+        the positions to feed the model [slots, q]: the same, or under ``positions: reindex`` each sequence's
+        next contiguous positions after what it holds."""
+        self.lo, self.hi = lo, hi
+        self.evicting, self.collecting, self.phase = evicting, collecting or evicting, phase
+        self.host_positions = positions
+        for s, p in zip(range(lo, hi), positions):
+            self.seen[s] = p[-1] + 1
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self._pending = pos
+        self.query_positions = pos.repeat_interleave(self.shapes[0] if self.entries else 1, dim=0)
+        self.step_model_positions = pos
+        if self.rotaries is not None:
+            held = [0] * (hi - lo)
+            if self.entries is not None:
+                e = self.entries
+                lengths = e.lengths[:, e.row_range(lo, hi)].view(e.layers, hi - lo, e.heads)
+                held = lengths.amax(dim=(0, 2)).tolist()
+            q = len(positions[0])
+            self.step_model_positions = torch.tensor([[h + i for i in range(q)] for h in held], device=self.device)
+        return self.step_model_positions
+
+    def _rows(self, lo: int, hi: int) -> torch.Tensor:
+        key = ("rows", lo, hi)
+        if key not in self._cache:
+            h = self.entries.heads
+            self._cache[key] = torch.arange(lo * h, hi * h, device=self.device)
+        return self._cache[key]
+
+    def write(self, l: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Layer ``l``'s new entries; returns the step's keys and values [slots, heads, n, D]."""
+        b, h, q, _ = key_states.shape
+        if self.entries is None:
+            self.allocate(h, key_states.shape[-1], value_states.shape[-1], key_states.dtype)
+            self.query_positions = self._pending.repeat_interleave(h, dim=0)
+        if (h, key_states.shape[-1], value_states.shape[-1]) != self.shapes[:3]:
+            raise ValueError(f"layer {l} has {h} KV heads of {key_states.shape[-1]} dims, unlike layer 0: kvbench's "
+                             "cache needs every layer alike")
+        e, layer = self.entries, self.layers[l]
+        if self._pending is not None:
+            self.lengths_before = e.lengths[:, e.row_range(self.lo, self.hi)].clone() if self.rotaries else None
+            self.slots_new, self.spans, self.dense = e.insert(self.lo, self.hi, self._pending)
+            self._pending = None
+        rows = self._rows(self.lo, self.hi)
+        slots = self.slots_new[l]
+        stored = key_states
+        if layer.rotary is not None:
+            stored = layer.rotary.unrotate(key_states, self.step_model_positions.unsqueeze(1))
+        layer.store.write(rows, slots, stored.reshape(b * h, q, -1), value_states.reshape(b * h, q, -1))
+        if layer.policy.feature_names:
+            self.write_features(l, rows.repeat_interleave(q), slots.reshape(-1))
+        n = self.spans[l]
+        keys, values = layer.store.read(self.lo * h, self.hi * h, n)
+        rr = e.row_range(self.lo, self.hi)
+        layer.n, layer.past = n, (n if q == 1 else n - q)
+        layer.key_positions = e.positions[l, rr, :n]
+        visible = None if self.dense[l] else e.occupied[l, rr, : layer.past]
+        if self.hidden is not None and self.hidden[l] is not None:
+            by_slot = self.hidden[l].gather(1, e.positions[l, rr, : layer.past].clamp_min(0))
+            visible = by_slot & e.occupied[l, rr, : layer.past]
+        layer.visible = visible
+        if layer.rotary is not None:
+            keys = layer.rotary.rotate(keys, self.reindexed_positions(l, n))
+        return keys.view(b, h, n, -1), values.view(b, h, n, -1)
+
+    def reindexed_positions(self, l: int, n: int) -> torch.Tensor:
+        """Under reindex, where each slot's key sits: the row's entries, in order, end just before its new ones."""
+        e = self.entries
+        rr = e.row_range(self.lo, self.hi)
+        order = e.order[l, rr, :n]
+        r = order.shape[0]
+        held = torch.arange(n, device=self.device) < e.lengths[l, rr].unsqueeze(1)
+        rank = torch.zeros(r, n + 1, dtype=torch.long, device=self.device)
+        rank.scatter_(1, torch.where(held, order, n), torch.arange(n, device=self.device).expand(r, -1))
+        rank = rank[:, :n]
+        start = self.step_model_positions[:, :1].repeat_interleave(e.heads, dim=0) - self.lengths_before[l].unsqueeze(1)
+        return start + rank
+
+    def write_features(self, l: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write-time features (e.g. value norms) of layer ``l``'s entries at (``rows`` [m], ``slots`` [m]), from
+        them as stored."""
+        layer = self.layers[l]
+        keys, values = layer.store.gather(rows, slots.unsqueeze(1))
+        for name, value in layer.policy.features(keys, values).items():
+            self.entries.write_column(name, l, rows, slots, value)
+
+    def after_attention(self, l: int, q: int, stats: dict[str, torch.Tensor]) -> None:
+        """Fold the layer's statistics over its step keys (slots ``0:n``) into its rows."""
+        if not stats:
+            return
+        e, layer = self.entries, self.layers[l]
+        rr = e.row_range(self.lo, self.hi)
+        for name, value in stats.items():
+            if name in e.columns:
+                column = e.table[l, rr, : value.shape[-1], e.columns.index(name)]
+                if name == "last":
+                    column.copy_(value)
+                else:
+                    column += value
+        if e.log is not None and "qlog" in stats:
+            logged = layer.policy.score.log_rows(stats["qlog"], stats["qlog_nvis"])
+            w = e.log.history
+            flat = slice(l * e.rows + rr.start, l * e.rows + rr.stop)
+            if q == 1:
+                e.log.append(flat, logged, stats["qlog_nvis"], self.query_positions[:, 0] % w, self._wrapped(w))
+            else:
+                k = logged.shape[1]
+                places = [p % w for p in self.host_positions[0][-k:]]
+                e.log.append(flat, logged, stats["qlog_nvis"], places, [])
+
+    def _wrapped(self, w: int) -> list[int]:
+        h = self.entries.heads
+        return [s * h + i for s, p in enumerate(self.host_positions) if p[0] % w == w - 1 for i in range(h)]
+
+    def end_step(self) -> None:
+        """Evict every row over its budget and trim sliding layers to their window; a prompt chunk's evicted
+        layers are then densified."""
+        e = self.entries
+        rr = e.row_range(self.lo, self.hi)
+        lengths = e.lengths[:, rr].tolist()
+        q = len(self.host_positions[0])
+        groups: dict[tuple, evicting.Group] = {}
+        trims: dict[tuple, list[tuple[int, int]]] = {}
+        ragged_trims: list[int] = []
+        for l, layer in enumerate(self.layers):
+            policy, hold = layer.policy, layer.plan.hold
+            per_head = policy.allocation.per_head
+            for s in range(self.lo, self.hi):
+                counts = lengths[l][(s - self.lo) * e.heads : (s - self.lo + 1) * e.heads]
+                budget = self.budgets[l][s]
+                if self.evicting and policy.evicts and budget is not None:
+                    size = sum(counts) if per_head else counts[0]
+                    if size > (budget * e.heads if per_head else budget):
+                        key = self.group_key(l, s, budget, size)
+                        groups.setdefault(key, evicting.Group(policy, budget, layer.plan.window)).units.append((l, s))
+                        continue
+                if hold is not None and max(counts) > hold:
+                    if per_head:
+                        ragged_trims.append(l)
+                    else:
+                        trims.setdefault((hold, counts[0]), []).append((l, s))
+        if not groups and not trims and not ragged_trims and not (q > 1 and self.evicting):
+            return
+        step = self._step_rows()
+        changed: set[int] = set()
+        for key, group in groups.items():
+            rows = self._group_rows(group.units)
+            per_head = group.policy.allocation.per_head
+            n = key[2] if not per_head else max(
+                max(lengths[l][(s - self.lo) * e.heads : (s - self.lo + 1) * e.heads]) for l, s in group.units)
+            evicting.evict_group(e, rows, n, group, step, per_head, [layer.store for layer in self.layers],
+                                 self.write_features)
+            changed.update(l for l, _ in group.units)
+        if ragged_trims or any(g.policy.allocation.per_head for g in groups.values()):
+            ragged = sorted(set(ragged_trims) | {l for g in groups.values() for l, _ in g.units
+                                                 if self.layers[l].plan.hold is not None})
+            for l in ragged:
+                self._trim_ragged(l)
+                changed.add(l)
+        for (hold, n), units in trims.items():
+            rows = self._group_rows(units)
+            idx = torch.arange(n, device=self.device)
+            r = len(units) * e.heads
+            e.keep_sorted(rows, n, idx[n - hold :].expand(r, -1), idx[: n - hold].expand(r, -1))
+            changed.update(l for l, _ in units)
+        if q > 1:
+            for l in sorted(changed):
+                e.densify(l, self.lo, self.hi, self.layers[l].store)
+
+    def group_key(self, l: int, s: int, budget: int, size: int) -> tuple:
+        """What a (layer, sequence) unit's eviction depends on: units of one key are scored as one state. Merging
+        units stay within their layer (merged keys and values are written back to one layer's store)."""
+        layer = self.layers[l]
+        return (id(layer.policy), layer.plan.window, size, budget, l if layer.policy.merge else None)
+
+    def layer_state(self, l: int, slot: int = 0) -> TokenState:
+        """What layer ``l`` of the sequence in ``slot`` holds, as its policy ranks it."""
+        e, layer = self.entries, self.layers[l]
+        rows = torch.tensor(evicting.unit_rows(e, [(l, slot)]), device=self.device)
+        lengths = e.lengths.view(-1).index_select(0, rows)
+        n = int(lengths.max())
+        ragged = layer.policy.allocation.per_head or bool((lengths != n).any())
+        group = evicting.Group(layer.policy, self.budgets[l][slot] or n, layer.plan.window)
+        return evicting.group_state(e, rows, n, group, self._step_rows(), lengths if ragged else None,
+                                    [x.store for x in self.layers])
+
+    def _trim_ragged(self, l: int) -> None:
+        """A per-head row of a sliding layer keeps at most its newest ``hold`` entries."""
+        e, hold = self.entries, self.layers[l].plan.hold
+        rr = e.row_range(self.lo, self.hi)
+        lengths = e.lengths[l, rr]
+        n = int(lengths.max())
+        if n <= hold:
+            return
+        idx = torch.arange(n, device=self.device)
+        valid = idx < lengths.unsqueeze(1)
+        keep = valid & (idx >= (lengths - hold).unsqueeze(1))
+        e.keep_mask(l * e.rows + self._rows(self.lo, self.hi), keep, valid)
+
+    def _group_rows(self, units: list[tuple[int, int]]) -> torch.Tensor | None:
+        e = self.entries
+        if len(units) == e.layers * e.slots:
+            return None
+        key = tuple(units)
+        if key not in self._cache:
+            self._cache[key] = torch.tensor(evicting.unit_rows(e, units), device=self.device)
+        return self._cache[key]
+
+    def _step_rows(self) -> evicting.StepRows:
+        e = self.entries
+        seen = torch.tensor(self.seen, device=self.device).repeat_interleave(e.heads).repeat(e.layers)
+        return evicting.StepRows(seen.view(-1, 1), self.row_keys, self.phase, self.seed)
+
+    # -- slots -----------------------------------------------------------------------------------------------
+    def copy_slot(self, source: "KVCache", src: int, dst: int) -> None:
+        """Slot ``src`` of ``source`` (this cache or a prompt's) becomes slot ``dst`` here."""
+        if self.entries is None:
+            self.allocate(*source.shapes)
+        self.entries.copy_slot(source.entries, src, dst)
+        for mine, theirs, n in zip(self.layers, source.layers, source.entries.spans):
+            if n > mine.store.capacity:
+                raise RuntimeError(f"layer {mine.layer_idx}: a sequence using {n} slots does not fit rows of "
+                                   f"capacity {mine.store.capacity}")
+            mine.store.copy_rows(theirs.store, source.entries.row_range(src, src + 1),
+                                 self.entries.row_range(dst, dst + 1), n)
+        for l in range(len(self.layers)):
+            self.budgets[l][dst] = source.budgets[l][src]
+        self.seen[dst] = source.seen[src]
+
+    def summary(self, slot: int = 0) -> CacheStats:
+        if self.entries is None:
+            return CacheStats([0.0] * len(self.layers), 0, 0, [0] * len(self.layers))
+        e = self.entries
+        counts = e.lengths[:, e.row_range(slot, slot + 1)].sum(dim=1).tolist()
+        resident = [c * layer.store.row_bytes() for c, layer in zip(counts, self.layers)]
+        return CacheStats(kept_per_layer=[c / e.heads for c in counts], resident_bytes=sum(resident),
+                          capacity_bytes=sum(layer.store.capacity_bytes() for layer in self.layers) // self.slots,
+                          resident_per_layer=resident)
+
+    def resident_by_slot(self, lo: int, hi: int) -> list[int]:
+        """Resident bytes of each of slots ``lo:hi``."""
+        e = self.entries
+        counts = e.lengths[:, e.row_range(lo, hi)].view(e.layers, hi - lo, e.heads).sum(dim=2)
+        row_bytes = torch.tensor([layer.store.row_bytes() for layer in self.layers], device=self.device)
+        return (counts * row_bytes.unsqueeze(1)).sum(dim=0).tolist()
+
+    def kept_positions(self, slot: int = 0) -> list[torch.Tensor]:
+        """Per layer, the absolute positions each KV head of the slot holds, [heads, kept]."""
+        return [self.entries.kept_positions(l, slot) for l in range(len(self.layers))]

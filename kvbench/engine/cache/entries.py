@@ -1,0 +1,210 @@
+"""Bookkeeping for every row of every layer: rows of (sequence slot, KV head), each with its own length.
+
+Tensors are [layers, rows, capacity] and indexed by *slot* (where an entry's K/V lives, see ``store``):
+``occupied`` (whether a slot holds an entry), ``positions`` (its absolute position, -1 where free), ``table``
+(its statistics and write-time features, one column each) and the query log. ``order`` [layers, rows,
+capacity] lists each row's slots in sequence order (entry j of row r is slot ``order[l, r, j]`` for
+j < ``lengths[l, r]``), which is what scores and scopes rank. A decode step gives each row's new entry its
+lowest free slot; a prompt chunk takes the slots after every row's last one. Eviction frees slots and drops them
+from ``order``; after a prompt chunk's eviction a layer is *densified* (entries moved to slots ``0:length``, in
+order), so the next chunk again starts right after them.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvbench.engine.cache.query_log import QueryLog
+from kvbench.engine.cache.store import KVStore, flat_slots
+
+# Per-entry statistics a row accumulates from attention ("mass": attention mass merged into an entry).
+STAT_NAMES = ("acc", "sumsq", "last", "mass")
+
+
+class Entries:
+    def __init__(self, layers: int, slots: int, heads: int, capacity: int, columns: list[str], history: int,
+                 device: torch.device):
+        self.layers, self.slots, self.heads, self.capacity = layers, slots, heads, capacity
+        self.rows = slots * heads
+        shape = (layers, self.rows, capacity)
+        self.lengths = torch.zeros(layers, self.rows, dtype=torch.long, device=device)
+        self.occupied = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.order = torch.zeros(shape, dtype=torch.long, device=device)
+        self.positions = torch.full(shape, -1, dtype=torch.long, device=device)
+        self.columns = list(columns)
+        self.table = torch.zeros(*shape, len(columns), device=device) if columns else None
+        self.log = QueryLog(layers * self.rows, capacity, history, device) if history else None
+        # Per layer, an upper bound on the slots any row uses (host-side: it sizes every step's key range).
+        self.spans = [0] * layers
+        self.device = device
+
+    # -- indices -------------------------------------------------------------------------------------------
+    def row_range(self, lo: int, hi: int) -> slice:
+        """A layer's rows of slots ``lo:hi``."""
+        return slice(lo * self.heads, hi * self.heads)
+
+    def flat_rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows of slots ``lo:hi`` in every layer, as indices into the flattened [layers × rows]: [layers, r]."""
+        local = torch.arange(lo * self.heads, hi * self.heads, device=self.device)
+        return torch.arange(self.layers, device=self.device).unsqueeze(1) * self.rows + local
+
+    def column(self, name: str, layer: int | None = None) -> torch.Tensor:
+        values = self.table[..., self.columns.index(name)]
+        return values if layer is None else values[layer]
+
+    def _column_at(self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Flat indices into ``table`` of column ``name`` at the layer's entries (``rows`` [m], ``slots`` [m])."""
+        at = (layer * self.rows + rows) * self.capacity + slots
+        return at * len(self.columns) + self.columns.index(name)
+
+    def write_column(self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.table.view(-1)[self._column_at(name, layer, rows, slots)] = values.reshape(-1).to(torch.float32)
+
+    def add_to_column(self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.table.view(-1).index_add_(0, self._column_at(name, layer, rows, slots), values.reshape(-1).to(torch.float32))
+
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
+        """[layers, rows, capacity, ...] as [layers × rows, capacity, ...]."""
+        return t.view(self.layers * self.rows, *t.shape[2:])
+
+    # -- a step's new entries ------------------------------------------------------------------------------
+    def insert(self, lo: int, hi: int, positions: torch.Tensor) -> tuple[torch.Tensor, list[int], list[bool]]:
+        """Entries for the tokens at ``positions`` [slots hi - lo, q] in every layer's rows of slots ``lo:hi``.
+        Returns their slots [layers, r, q], each layer's key span for the step, and whether each layer's
+        visible past has no free slot in it (q == 1: nothing is masked; q > 1: the past before the chunk)."""
+        rows, q = self.row_range(lo, hi), positions.shape[1]
+        r = rows.stop - rows.start
+        lengths = self.lengths[:, rows]
+        if q == 1:
+            slots = (~self.occupied[:, rows]).to(torch.uint8).argmax(dim=-1, keepdim=True)
+            host = torch.stack([slots.amax(dim=(1, 2)) + 1, lengths.amin(dim=1) + 1]).tolist()
+            self.spans = [max(s, new) for s, new in zip(self.spans, host[0])]
+            dense = [low == span for low, span in zip(host[1], self.spans)]
+        else:
+            lows = lengths.amin(dim=1).tolist()
+            dense = [low == span for low, span in zip(lows, self.spans)]
+            base = torch.tensor(self.spans, device=self.device).view(-1, 1, 1)
+            slots = (base + torch.arange(q, device=self.device)).expand(-1, r, -1).contiguous()
+            self.spans = [s + q for s in self.spans]
+        if max(self.spans) > self.capacity:
+            raise RuntimeError(f"{max(self.spans)} slots exceed the pre-allocated capacity {self.capacity}")
+        per_row = positions.repeat_interleave(self.heads, dim=0).unsqueeze(0).expand(self.layers, -1, -1)
+        self.positions[:, rows].scatter_(2, slots, per_row)
+        self.occupied[:, rows].scatter_(2, slots, True)
+        self.order[:, rows].scatter_(2, lengths.unsqueeze(-1) + torch.arange(q, device=self.device), slots)
+        self.lengths[:, rows] += q
+        if self.table is not None:
+            at = slots.unsqueeze(-1).expand(-1, -1, -1, len(self.columns))
+            self.table[:, rows].scatter_(2, at, 0.0)
+        if self.log is not None:
+            self.log.clear(flat_slots(self.flat_rows(lo, hi).reshape(-1), slots.reshape(self.layers * r, q),
+                                      self.capacity))
+        return slots, self.spans[:], dense
+
+    # -- eviction ------------------------------------------------------------------------------------------
+    def gather_rows(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``rows`` (flat indices, None: all) of a [layers, rows, ...] tensor, as [r, ...]."""
+        flat = self.flat(t)
+        return flat if rows is None else flat.index_select(0, rows)
+
+    def keep_sorted(self, rows: torch.Tensor | None, n: int, kept: torch.Tensor, evicted: torch.Tensor) -> None:
+        """Rows of one length ``n`` keep their entries ``kept`` [r, k] (ascending) and free ``evicted``."""
+        order = self.gather_rows(self.order, rows)[:, :n]
+        self._free(rows, order.gather(1, evicted))
+        self._set(self.order, rows, order.gather(1, kept))
+        self._set_lengths(rows, kept.shape[1])
+
+    def keep_mask(self, rows: torch.Tensor | None, keep: torch.Tensor, valid: torch.Tensor) -> None:
+        """Rows padded to ``n`` entries keep those marked ``keep`` [r, n] and free the other ``valid`` ones."""
+        n = keep.shape[1]
+        order = self.gather_rows(self.order, rows)[:, :n]
+        gone = valid & ~keep
+        row_ids = self._row_ids(rows, keep.shape[0])
+        freed = flat_slots(row_ids, order, self.capacity)[gone.reshape(-1)]
+        self.flat(self.occupied).view(-1)[freed] = False
+        self.flat(self.positions).view(-1)[freed] = -1
+        at = torch.where(keep, keep.cumsum(dim=1) - 1, n)
+        packed = order.new_zeros(order.shape[0], n + 1).scatter_(1, at, order)
+        self._set(self.order, rows, packed[:, :n])
+        counts = keep.sum(dim=1)
+        if rows is None:
+            self.lengths.view(-1).copy_(counts)
+        else:
+            self.lengths.view(-1)[rows] = counts
+
+    def _row_ids(self, rows: torch.Tensor | None, count: int) -> torch.Tensor:
+        return torch.arange(count, device=self.device) if rows is None else rows
+
+    def _free(self, rows: torch.Tensor | None, slots: torch.Tensor) -> None:
+        at = flat_slots(self._row_ids(rows, slots.shape[0]), slots, self.capacity)
+        self.flat(self.occupied).view(-1)[at] = False
+        self.flat(self.positions).view(-1)[at] = -1
+
+    def _set(self, t: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor) -> None:
+        k = values.shape[1]
+        if rows is None:
+            self.flat(t)[:, :k] = values
+        else:
+            self.flat(t)[rows.unsqueeze(1), torch.arange(k, device=self.device)] = values
+
+    def _set_lengths(self, rows: torch.Tensor | None, k: int) -> None:
+        if rows is None:
+            self.lengths.fill_(k)
+        else:
+            self.lengths.view(-1)[rows] = k
+
+    def densify(self, layer: int, lo: int, hi: int, store: KVStore) -> None:
+        """Move every entry of the layer's rows of slots ``lo:hi`` to slots ``0:length``, in sequence order."""
+        rows = self.row_range(lo, hi)
+        lengths = self.lengths[layer, rows]
+        m = int(lengths.max())
+        order = self.order[layer, rows, :m]
+        local = torch.arange(rows.start, rows.stop, device=self.device)
+        store.reorder(local, order)
+        held = torch.arange(self.capacity, device=self.device) < lengths.unsqueeze(1)
+        for t in (self.positions, self.table):
+            if t is not None:
+                part = t[layer, rows]
+                idx = order if t.dim() == 3 else order.unsqueeze(-1).expand(-1, -1, t.shape[-1])
+                part[:, :m] = part.gather(1, idx)
+        self.positions[layer, rows] = self.positions[layer, rows].masked_fill(~held, -1)
+        if self.log is not None:
+            flat = layer * self.rows + local
+            ring = self.log.rows[flat]
+            self.log.rows[flat, :, :m] = ring.gather(2, order.unsqueeze(1).expand(-1, ring.shape[1], -1))
+            self.log.total[flat, :m] = self.log.total[flat].gather(1, order)
+        self.order[layer, rows, :m] = torch.arange(m, device=self.device)
+        self.occupied[layer, rows] = held
+        self.spans[layer] = m
+
+    # -- slots ---------------------------------------------------------------------------------------------
+    def copy_slot(self, source: "Entries", src: int, dst: int) -> int:
+        """Sequence slot ``src`` of ``source`` becomes slot ``dst`` here (every layer); returns the slots copied."""
+        n = max(source.spans)
+        if n > self.capacity:
+            raise RuntimeError(f"a sequence using {n} slots does not fit rows of capacity {self.capacity}")
+        a, b = source.row_range(src, src + 1), self.row_range(dst, dst + 1)
+        self.lengths[:, b] = source.lengths[:, a]
+        for mine, theirs, empty in ((self.occupied, source.occupied, False), (self.positions, source.positions, -1),
+                                    (self.order, source.order, 0), (self.table, source.table, 0.0)):
+            if mine is not None:
+                mine[:, b, :n] = theirs[:, a, :n]
+                mine[:, b, n:] = empty
+        if self.log is not None:
+            for l in range(self.layers):
+                fa = slice(l * source.rows + a.start, l * source.rows + a.stop)
+                fb = slice(l * self.rows + b.start, l * self.rows + b.stop)
+                self.log.rows[fb, :, :n] = source.log.rows[fa, :, :n]
+                self.log.total[fb, :n] = source.log.total[fa, :n]
+                self.log.nvis[fb] = source.log.nvis[fa]
+        self.spans = [max(s, t) for s, t in zip(self.spans, source.spans)]
+        return n
+
+    def kept_positions(self, layer: int, slot: int) -> torch.Tensor:
+        """[heads, longest row] in sequence order; a row holding fewer entries repeats its newest position."""
+        rows = self.row_range(slot, slot + 1)
+        lengths = self.lengths[layer, rows]
+        m = int(lengths.max())
+        pos = self.positions[layer, rows].gather(1, self.order[layer, rows, :m])
+        valid = torch.arange(m, device=self.device) < lengths.unsqueeze(1)
+        last = pos.gather(1, (lengths - 1).clamp_min(0).unsqueeze(1))
+        return torch.where(valid, pos, last)

@@ -1,0 +1,134 @@
+"""One scoring and ranking per step for every row that must evict, whatever layer or sequence it belongs to.
+
+Rows are grouped by what their eviction depends on: the layer's policy and window, the row's budget and how
+many entries it holds (under per-head allocation, the (layer, sequence) unit's total). A group is scored as one
+``TokenState``. Its rows come in whole units of ``heads`` consecutive rows, one unit per (layer, sequence), so a
+part that mixes rows (Ada-KV's split, a kept set shared across heads) mixes the heads of one unit only: the
+layout decides that, not the part. Rows of one group have one length (or, per head, are padded with ``valid``),
+so every score sees each row as it would see it alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.engine.cache.entries import Entries
+from kvbench.policies.base import Policy
+from kvbench.policies.merge import merge_evicted
+from kvbench.policies.state import Stats, TokenState
+
+
+@dataclass
+class Group:
+    policy: Policy
+    budget: int
+    window: int | None
+    units: list[tuple[int, int]] = field(default_factory=list)  # (layer, slot)
+
+
+@dataclass
+class StepRows:
+    """What a state needs beyond the entries: per flat row, tokens fed so far and a key naming (layer, head)."""
+
+    seen: torch.Tensor  # [layers × rows, 1] long
+    row_keys: torch.Tensor  # [layers × rows] long
+    phase: str
+    seed: int
+
+
+def unit_rows(entries: Entries, units: list[tuple[int, int]]) -> list[int]:
+    h = entries.heads
+    return [l * entries.rows + s * h + i for l, s in units for i in range(h)]
+
+
+def group_state(entries: Entries, rows: torch.Tensor | None, n: int, group: Group, step: StepRows,
+                lengths: torch.Tensor | None, stores: list) -> TokenState:
+    """The group's rows as one state of ``n`` entries each (``lengths`` [r]: per-head counts, padded)."""
+    policy = group.policy
+    order = entries.gather_rows(entries.order, rows)[:, :n]
+    valid = None if lengths is None else torch.arange(n, device=order.device) < lengths.unsqueeze(1)
+    positions = entries.gather_rows(entries.positions, rows).gather(1, order)
+    mask = None if valid is None else valid.to(torch.float32)
+    if valid is not None:
+        positions = positions.masked_fill(~valid, 0)
+    seen = step.seen if rows is None else step.seen.index_select(0, rows)
+    eager: dict[str, torch.Tensor] = {}
+    columns = [c for c in entries.columns if c in policy.needs or c in policy.feature_names]
+    if columns:
+        table = entries.gather_rows(entries.table, rows)
+        got = table.gather(1, order.unsqueeze(-1).expand(-1, -1, table.shape[-1]))
+        for name in columns:
+            value = got[..., entries.columns.index(name)]
+            eager[name] = value if mask is None else value * mask
+    if "count" in policy.needs:
+        count = (seen - positions).to(torch.float32)
+        eager["count"] = count if mask is None else count * mask
+    lazy, derived = {}, {}
+    log = entries.log
+    if log is not None:
+        log_rows = torch.arange(entries.layers * entries.rows, device=order.device) if rows is None else rows
+        total = log.total.index_select(0, log_rows).gather(1, order)
+        derived["qlog_sum"] = total if mask is None else total * mask
+
+        def logged() -> torch.Tensor:
+            ring = log.rows.index_select(0, log_rows)
+            out = ring.gather(2, order.unsqueeze(1).expand(-1, ring.shape[1], -1))
+            return out if mask is None else out * mask.unsqueeze(1)
+
+        lazy["qlog"] = logged
+    keys = step.row_keys if rows is None else step.row_keys.index_select(0, rows)
+    return TokenState(positions=positions, stats=Stats(eager, lazy), phase=step.phase, valid=valid,
+                      load_kv=lambda: load_kv(entries, rows, order, stores), derived=derived, lengths=lengths,
+                      units=positions.shape[0] // entries.heads, window=group.window, seen=seen, seed=step.seed,
+                      row_keys=keys.unsqueeze(1))
+
+
+def load_kv(entries: Entries, rows: torch.Tensor | None, order: torch.Tensor, stores: list) -> tuple:
+    """The group's keys and values in sequence order, [r, n, D] (each layer's part from its own store)."""
+    flat = torch.arange(entries.layers * entries.rows, device=order.device) if rows is None else rows
+    layer_of = (flat // entries.rows).tolist()
+    keys, values, start = [], [], 0
+    while start < len(layer_of):
+        l = layer_of[start]
+        end = start
+        while end < len(layer_of) and layer_of[end] == l:
+            end += 1
+        k, v = stores[l].gather(flat[start:end] - l * entries.rows, order[start:end])
+        keys.append(k)
+        values.append(v)
+        start = end
+    return (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys), torch.cat(values))
+
+
+def evict_group(entries: Entries, rows: torch.Tensor | None, n: int, group: Group, step: StepRows,
+                per_head: bool, stores: list, features) -> None:
+    """Score the group once and free what it does not keep (merging first where the policy merges)."""
+    policy, budget = group.policy, group.budget
+    lengths = None
+    if per_head:
+        lengths = entries.lengths.view(-1) if rows is None else entries.lengths.view(-1).index_select(0, rows)
+    state = group_state(entries, rows, n, group, step, lengths, stores)
+    if per_head:
+        keep = policy.keep_mask(state, budget)
+    else:
+        kept, evicted = policy.partition(state, budget)
+        if not policy.merge:
+            entries.keep_sorted(rows, n, kept, evicted)
+            return
+        keep = torch.zeros_like(state.positions, dtype=torch.bool).scatter_(1, kept, True)
+    merged = None
+    if policy.merge:
+        weights = state.stats["acc"] + state.stats["mass"] if "mass" in state.stats else state.stats["acc"]
+        merged = merge_evicted(state.keys, state.values, weights, keep, state.valid)
+        flat = torch.arange(entries.layers * entries.rows, device=keep.device) if rows is None else rows
+        layer = int(flat[0]) // entries.rows
+        local = (flat - layer * entries.rows).unsqueeze(1).expand(-1, n)[keep]
+        slots = entries.gather_rows(entries.order, rows)[:, :n][keep]
+    entries.keep_mask(rows, keep, state.valid_mask())
+    if merged is not None:
+        k_new, v_new, absorbed = merged
+        store = stores[layer]
+        store.write(local, slots.unsqueeze(1), k_new[keep].to(store.dtype), v_new[keep].to(store.dtype))
+        entries.add_to_column("mass", layer, local, slots, absorbed[keep])
+        features(layer, local, slots)

@@ -1,0 +1,91 @@
+"""One layer's keys and values: rows of (sequence slot, KV head), each a pre-allocated run of entry slots.
+
+An entry keeps its slot until it is evicted, so a decode step writes only the new entries and never moves the
+held ones; the row's order (which slot holds its j-th entry) is bookkeeping (``entries.Entries``). Quantised
+storage (``policy.quantize``) keeps int8/fp8 codes with a float32 scale per entry; reads dequantise.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvbench.policies.quantize import Quantizer
+
+
+def flat_slots(rows: torch.Tensor, slots: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Slots ``slots`` [r, m] of rows ``rows`` [r] as indices into the flattened [rows × capacity] entries."""
+    return (rows.unsqueeze(1) * capacity + slots).reshape(-1)
+
+
+class KVStore:
+    """Keys and values [rows, capacity, D]: the model's dtype, or codes plus scales [rows, capacity, 1]."""
+
+    def __init__(self, rows: int, capacity: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device,
+                 quantizer: Quantizer | None):
+        self.quantizer, self.dtype, self.capacity = quantizer, dtype, capacity
+        store = dtype if quantizer is None else quantizer.storage_dtype
+        self.k = torch.zeros(rows, capacity, k_dim, dtype=store, device=device)
+        self.v = torch.zeros(rows, capacity, v_dim, dtype=store, device=device)
+        self.k_scale = self.v_scale = None
+        if quantizer is not None:
+            self.k_scale = torch.zeros(rows, capacity, 1, dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(rows, capacity, 1, dtype=torch.float32, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return [(self.k, self.k_scale), (self.v, self.v_scale)]
+
+    def write(self, rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Entries at ``slots`` [r, q] of rows ``rows`` [r]: k [r, q, D], v [r, q, Dv]."""
+        self.write_at(flat_slots(rows, slots, self.capacity), k, v)
+
+    def write_at(self, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Entries at flat indices ``at`` [m] (row × capacity + slot): k [..., D] with m vectors."""
+        for (codes, scales), x in zip(self._pairs(), (k, v)):
+            x = x.reshape(-1, x.shape[-1])
+            if self.quantizer is None:
+                codes.view(-1, codes.shape[-1]).index_copy_(0, at, x.to(codes.dtype))
+            else:
+                c, s = self.quantizer.quantize(x)
+                codes.view(-1, codes.shape[-1]).index_copy_(0, at, c)
+                scales.view(-1, 1).index_copy_(0, at, s)
+
+    def _decode(self, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return codes if self.quantizer is None else self.quantizer.dequantize(codes, scales, self.dtype)
+
+    def read(self, lo: int, hi: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``0:n`` of rows ``lo:hi``, [r, n, D] (views of the buffers when plain)."""
+        return tuple(self._decode(c[lo:hi, :n], None if s is None else s[lo:hi, :n]) for c, s in self._pairs())
+
+    def gather(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries at ``slots`` [r, m] of rows ``rows`` [r]: [r, m, D] each."""
+        return self.gather_at(flat_slots(rows, slots, self.capacity), slots.shape)
+
+    def gather_at(self, at: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries at flat indices ``at``, shaped [*shape, D]."""
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.view(-1, t.shape[-1]).index_select(0, at).view(*shape, t.shape[-1])
+
+        return tuple(self._decode(take(c), take(s)) for c, s in self._pairs())
+
+    def reorder(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Row ``rows[i]``'s entries at ``slots[i]`` [r, m] move to its slots ``0:m``, in that order."""
+        at = flat_slots(rows, slots, self.capacity)
+        m = slots.shape[1]
+        for t in self.tensors():
+            moved = t.view(-1, t.shape[-1]).index_select(0, at).view(len(rows), m, t.shape[-1])
+            t[rows, :m] = moved
+
+    def copy_rows(self, source: "KVStore", src: slice, dst: slice, n: int) -> None:
+        """Slots ``0:n`` of ``source``'s rows ``src`` into this store's rows ``dst``."""
+        for mine, theirs in zip(self.tensors(), source.tensors()):
+            mine[dst, :n] = theirs[src, :n]
+
+    def row_bytes(self) -> int:
+        """Bytes one entry (one token of one KV head) holds: K and V, plus their scales when quantised."""
+        return sum(t.shape[-1] * t.element_size() for t in self.tensors())
+
+    def capacity_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())

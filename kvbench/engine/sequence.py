@@ -1,0 +1,157 @@
+"""One sequence of a run: what it asks for (``Request``), where it stands (``Sequence``) and what it produced
+(``Generation``, the row's engine fields)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvbench.engine import measure
+from kvbench.engine.plan import LayerPlan
+from kvbench.engine.sampling import DecodeSettings, cut_at_stop
+
+
+@dataclass
+class Request:
+    """A prompt (``suffix_ids`` are fed after the context is compressed: a question the policy must not see while
+    compressing). ``forced_tokens`` teacher-forces the decode (fidelity metrics); ``replay_trace`` (another run's
+    ``trace``, used with the full cache) masks every step's past down to what that run held."""
+
+    input_ids: list[int]
+    suffix_ids: list[int] = field(default_factory=list)
+    settings: DecodeSettings = field(default_factory=DecodeSettings)
+    forced_tokens: list[int] | None = None
+    replay_trace: list[list[torch.Tensor]] | None = None
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str
+    stop_reason: str
+    prompt_tokens: int
+    budget_tokens: int | None
+    kept_tokens: float
+    seen_tokens: int
+    budget_achieved: float
+    budget_achieved_per_layer: list[float]
+    kv_resident_bytes: int
+    kv_resident_peak_bytes: int
+    # Full-attention and sliding-window layers apart (None where the model has no layer of that kind).
+    budget_achieved_full: float | None
+    budget_achieved_sliding: float | None
+    kv_resident_bytes_full: int | None
+    kv_resident_bytes_sliding: int | None
+    kv_capacity_bytes: int
+    prefill_s: float
+    ttft_s: float
+    decode_latencies_s: list[float]
+    peak_memory_prefill_bytes: int
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    # The batch it decoded in: the run's batch size and how many sequences shared each of its decode steps.
+    batch_size: int = 1
+    decode_batch_sizes: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    trace: list[list[torch.Tensor]] | None = None
+
+    def timings(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {"prefill_s": self.prefill_s, "ttft_s": self.ttft_s}
+        out["prefill_tokens_per_s"] = self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else None
+        out.update(measure.latency_summary(self.decode_latencies_s))
+        steps = sum(self.decode_latencies_s)
+        out["batch_decode_tokens_per_s"] = sum(self.decode_batch_sizes) / steps if steps > 0 else None
+        out["decode_batch_mean"] = (sum(self.decode_batch_sizes) / len(self.decode_batch_sizes)
+                                    if self.decode_batch_sizes else None)
+        return out
+
+
+@dataclass
+class Sequence:
+    index: int
+    request: Request
+    plans: list[LayerPlan]
+    budget_tokens: int | None
+    chunk: int
+    device: torch.device
+    slot: int = -1
+    position: int = 0
+    forwards: int = 0
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    traces: list[list[torch.Tensor]] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    step_batches: list[int] = field(default_factory=list)
+    kept_after_prefill: list[float] = field(default_factory=list)
+    resident_peak: int = 0
+    t0: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    peak_prefill: tuple[int, str] = (0, "")
+    stop_reason: str | None = None
+    cache: Any = None
+    generation: Generation | None = None
+    sampler: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampler = torch.Generator(device=self.device)
+        self.sampler.manual_seed(self.request.settings.seed)
+
+
+def resolve_budget(budget: float | int, reference_length: int) -> int:
+    """A fraction in (0, 1] of the reference length (rounded up) or an absolute token count."""
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget {budget} must be a fraction in (0, 1] or an integer token count >= 1")
+        return max(1, math.ceil(budget * reference_length))
+    if budget < 1:
+        raise ValueError(f"budget {budget} must be a fraction in (0, 1] or an integer token count >= 1")
+    return int(budget)
+
+
+def reference_length(stage: str, context: int, suffix: int, max_new_tokens: int) -> int:
+    """What a fractional budget is a fraction of: the prompt for prefill/both, the whole sequence for decode."""
+    return context + suffix + max_new_tokens if stage == "decode" else context
+
+
+def finished_generation(seq: Sequence, tokenizer: Any, stage: str, windows: list[int | None], batch_size: int,
+                        peak: int, peak_kind: str) -> Generation:
+    """The sequence's ``Generation``, read from its slot before the slot is handed on."""
+    summary = seq.cache.summary(seq.slot)
+    n_layers = len(windows)
+    request = seq.request
+    context = len(request.input_ids)
+    seen = seq.position
+    kept = sum(summary.kept_per_layer) / n_layers
+    if stage == "prefill":
+        per_layer = [k / context for k in seq.kept_after_prefill]
+        achieved = sum(per_layer) / n_layers
+    else:
+        achieved = kept / seen
+        per_layer = [k / seen for k in summary.kept_per_layer]
+    text = tokenizer.decode(seq.tokens, skip_special_tokens=True) if tokenizer is not None else ""
+    if seq.stop_reason == "stop_string":
+        text = cut_at_stop(text, request.settings.stop_strings)
+    return Generation(
+        tokens=seq.tokens, text=text, stop_reason=seq.stop_reason or "max_new_tokens",
+        prompt_tokens=context + len(request.suffix_ids), budget_tokens=seq.budget_tokens, kept_tokens=kept,
+        seen_tokens=seen, budget_achieved=achieved, budget_achieved_per_layer=per_layer,
+        kv_resident_bytes=summary.resident_bytes, kv_resident_peak_bytes=seq.resident_peak,
+        **by_layer_kind(windows, per_layer, summary.resident_per_layer),
+        kv_capacity_bytes=summary.capacity_bytes, prefill_s=seq.prefill_s, ttft_s=seq.ttft_s,
+        decode_latencies_s=seq.latencies, peak_memory_prefill_bytes=seq.peak_prefill[0], peak_memory_bytes=peak,
+        peak_memory_kind=peak_kind, batch_size=batch_size, decode_batch_sizes=seq.step_batches,
+        logits=torch.stack(seq.logits) if seq.logits else None, trace=seq.traces or None,
+    )
+
+
+def by_layer_kind(windows: list[int | None], achieved: list[float], resident: list[int]) -> dict[str, Any]:
+    """Achieved budget (mean over layers) and resident bytes of the full-attention and the sliding layers."""
+    out: dict[str, Any] = {}
+    for kind, members in (("full", [w is None for w in windows]), ("sliding", [w is not None for w in windows])):
+        chosen = [i for i, member in enumerate(members) if member]
+        out[f"budget_achieved_{kind}"] = sum(achieved[i] for i in chosen) / len(chosen) if chosen else None
+        out[f"kv_resident_bytes_{kind}"] = sum(resident[i] for i in chosen) if chosen else None
+    return out
