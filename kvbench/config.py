@@ -33,6 +33,7 @@ class RunSpec:
     sampling: dict[str, Any]
     fidelity: bool
     tracking: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 1
 
     @property
     def task_id(self) -> str:
@@ -92,6 +93,9 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     max_new = data.get("max_new_tokens")
     if max_new is not None and (not isinstance(max_new, int) or max_new <= 0):
         raise ConfigError(f"max_new_tokens={max_new!r} must be a positive integer or null (the task's default)")
+    batch_size = data.get("batch_size", 1)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r} must be a positive integer (sequences decoded together)")
     seed = data.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed={seed!r} must be an integer")
@@ -121,7 +125,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     return RunSpec(
         model=model, policy_cfg=dict(data["policy"]), task_cfg=dict(data["task"]), policy=policy,
         budget=budget, stage=stage, stride=stride, seed=int(seed), max_new_tokens=max_new,
-        sampling=sampling, fidelity=bool(data.get("fidelity", False)), tracking=tracking,
+        sampling=sampling, fidelity=bool(data.get("fidelity", False)), tracking=tracking, batch_size=batch_size,
     )
 
 

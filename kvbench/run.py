@@ -8,6 +8,7 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import hydra
@@ -18,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from kvbench.config import ConfigError, RunSpec, validate
-from kvbench.engine.generate import DecodeSettings, Generation, generate, reference_length, resolve_budget
+from kvbench.engine.batch import BatchRun
+from kvbench.engine.generate import (DecodeSettings, Generation, Request, generate, reference_length,
+                                     resolve_budget)
 from kvbench.fidelity import (ReferenceStore, default_reference_dir, generated_reference, prompt_hash,
                               reference_key, store_at)
 from kvbench.metrics.fidelity import fidelity_rouge_l, kl_divergence, top1_agreement, topk_mass
@@ -37,12 +40,14 @@ warnings.filterwarnings("ignore", message=r"[\s\S]*is validated against ConfigSt
 _MODELS: dict[tuple, LoadedModel] = {}
 
 
-def cell_path(model: str, task: str, subset: Any, policy: str, stage: str, budget: Any) -> str:
+def cell_path(model: str, task: str, subset: Any, policy: str, stage: str, budget: Any, batch: Any = 1) -> str:
     """A cell's directory below the sweep: stable, so a rerun finds what it already wrote.
-    The full cache ignores the budget, so all its budgets share one cell."""
+    The full cache ignores the budget, so all its budgets share one cell. A batched cell (its timings are a
+    batch's) has a directory of its own."""
     task_id = f"{task}-{subset}" if subset not in (None, "None", "null", "") else task
     budget_id = "full" if policy == "full" else budget
-    return f"{model}/{task_id}/{policy}/{stage}/budget={budget_id}"
+    batched = f"/batch={batch}" if str(batch) not in ("1", "None") else ""
+    return f"{model}/{task_id}/{policy}/{stage}/budget={budget_id}{batched}"
 
 
 OmegaConf.register_new_resolver("kvbench_cell", cell_path, replace=True)
@@ -143,6 +148,9 @@ def fidelity_metrics(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, pr
 
 def _generation_fields(g: Generation) -> dict[str, Any]:
     return {
+        # Decoded in a batch of ``batch_size`` (its decode timings are the batch's steps; decode_tokens_per_s is
+        # this sequence's own share, batch_decode_tokens_per_s the whole batch's).
+        "batch_size": g.batch_size,
         "budget_tokens": g.budget_tokens,
         "budget_achieved": g.budget_achieved,
         "budget_achieved_per_layer": g.budget_achieved_per_layer,
@@ -173,23 +181,36 @@ def run_example(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt:
     in ``references`` (default: see kvbench.fidelity.default_reference_dir)."""
     store = references or store_at(default_reference_dir())
     custom = task.evaluate(lm, spec, ex, prompt, store)
-    if custom is not None:
-        custom = dict(custom)
-        metrics = dict(custom.pop("metrics"))
-        g = custom.pop("generation", None)
-        extra = custom
-    else:
-        settings = task.generation(ex)
-        decode = spec.decode_settings(settings.max_new_tokens, settings.stop_strings)
-        g = _policy_pass(lm, spec, prompt, decode)
-        prediction = task.postprocess(g.text, ex)
-        metrics = task.score(prediction, ex)
-        extra = {}
-        if wants_fidelity(task, spec):
-            fidelity = fidelity_metrics(lm, task, spec, ex, prompt, decode, prediction, store)
-            metrics.update(fidelity.pop("metrics"))
-            extra.update(fidelity)
-        extra.update(prediction=prediction, references=ex.references)
+    if custom is None:
+        decode = example_settings(task, spec, ex)
+        return generation_row(lm, task, spec, ex, prompt, _policy_pass(lm, spec, prompt, decode), decode, store)
+    custom = dict(custom)
+    metrics = dict(custom.pop("metrics"))
+    g = custom.pop("generation", None)
+    return _row(task, metrics, g, prompt, custom)
+
+
+def example_settings(task: Task, spec: RunSpec, ex: Example) -> DecodeSettings:
+    settings = task.generation(ex)
+    return spec.decode_settings(settings.max_new_tokens, settings.stop_strings)
+
+
+def generation_row(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt: RenderedPrompt, g: Generation,
+                   decode: DecodeSettings, store: ReferenceStore) -> dict[str, Any]:
+    """The row of a generation: scored, with fidelity to the full cache when asked for (its passes run alone)."""
+    prediction = task.postprocess(g.text, ex)
+    metrics = task.score(prediction, ex)
+    extra: dict[str, Any] = {}
+    if wants_fidelity(task, spec):
+        fidelity = fidelity_metrics(lm, task, spec, ex, prompt, decode, prediction, store)
+        metrics.update(fidelity.pop("metrics"))
+        extra.update(fidelity)
+    extra.update(prediction=prediction, references=ex.references)
+    return _row(task, metrics, g, prompt, extra)
+
+
+def _row(task: Task, metrics: dict[str, Any], g: Generation | None, prompt: RenderedPrompt,
+         extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "status": "ok",
         "primary_metric": task.primary_metric,
@@ -199,6 +220,50 @@ def run_example(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt:
         "truncated": prompt.truncated,
         **extra,
     }
+
+
+def example_rows(lm: LoadedModel, task: Task, spec: RunSpec, todo: list[Example], rendered: dict[str, RenderedPrompt],
+                 references: ReferenceStore) -> Iterator[tuple[Example, dict[str, Any]]]:
+    """Each example's row as it is done: one at a time, or ``batch_size`` decoded together (a task with its own
+    evaluation runs alone). A failure becomes that example's error row (a batch's: every unfinished one's)."""
+    batched = spec.batch_size > 1 and type(task).evaluate is Task.evaluate
+    if not batched:
+        for ex in todo:
+            try:
+                yield ex, run_example(lm, task, spec, ex, rendered[ex.id], references)
+            except Exception as err:  # one failing example must not end the sweep
+                yield ex, error_row(err)
+        return
+    settings = [example_settings(task, spec, ex) for ex in todo]
+    requests = [Request(rendered[ex.id].input_ids, rendered[ex.id].suffix_ids, s) for ex, s in zip(todo, settings)]
+    done: set[int] = set()
+    try:
+        run = BatchRun(lm.model, lm.tokenizer, requests, spec.policy, spec.budget, spec.stage, spec.batch_size,
+                       spec.stride)
+        while True:
+            more = run.step()
+            for i, seq in enumerate(run.sequences):
+                if seq.generation is not None and i not in done:
+                    done.add(i)
+                    ex = todo[i]
+                    try:
+                        yield ex, generation_row(lm, task, spec, ex, rendered[ex.id], seq.generation, settings[i],
+                                                 references)
+                    except Exception as err:
+                        yield ex, error_row(err)
+            if not more:
+                return
+    except Exception as err:
+        for i, ex in enumerate(todo):
+            if i not in done:
+                yield ex, error_row(err)
+
+
+def error_row(err: Exception) -> dict[str, Any]:
+    if isinstance(err, torch.cuda.OutOfMemoryError):
+        torch.cuda.empty_cache()
+    log.warning("example failed: %s: %s", type(err).__name__, err)
+    return {"status": "error", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=4)}
 
 
 def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str, *, skip_busy: bool = False) -> dict[str, Any]:
@@ -213,6 +278,7 @@ def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str, *, skip_busy: bool = F
     task = build_task(spec.task_cfg)
     identity = {"model": spec.model["name"], "task": spec.task_id, "policy": spec.policy.name,
                 "budget": 1.0 if not spec.policy.evicts else spec.budget, "stage": spec.stage,
+                "batch_size": spec.batch_size,
                 "run_dir": os.path.relpath(cell_dir, cfg.results_dir), "sweep": sweep}
     resolved = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
     references = store_at(Path(cfg.results_dir) / ".references")
@@ -244,19 +310,13 @@ def _fill_cell(results: CellResults, task: Task, spec: RunSpec, identity: dict[s
             origin = provenance(lm.device, lm.dtype)
             tracker = Tracker(spec.tracking.get("wandb", {}), cell_path_name(identity), cell_dir, resolved, sweep,
                               tags=[spec.policy.name, spec.stage, spec.task_id, spec.model["name"]])
-            for ex in tqdm(todo, desc=f"{spec.policy.name} {spec.stage} budget={spec.budget}", leave=False):
-                row = {**identity, "example_id": ex.id}
-                try:
-                    row.update(run_example(lm, task, spec, ex, rendered[ex.id], references))
-                except Exception as err:  # one failing example must not end the sweep
-                    if isinstance(err, torch.cuda.OutOfMemoryError):
-                        torch.cuda.empty_cache()
-                    row.update(status="error", error=f"{type(err).__name__}: {err}",
-                               traceback=traceback.format_exc(limit=4))
-                    log.warning("example %s failed: %s", ex.id, row["error"])
-                row.update(origin)
+            progress = tqdm(total=len(todo), desc=f"{spec.policy.name} {spec.stage} budget={spec.budget}", leave=False)
+            for ex, fields in example_rows(lm, task, spec, todo, rendered, references):
+                row = {**identity, "example_id": ex.id, **fields, **origin}
                 results.append(row)
                 tracker.log_example(row)
+                progress.update()
+            progress.close()
         rows = results.rows()
         summary = {**identity, **summarize(rows, len(examples))}
         results.write_summary(summary)

@@ -131,3 +131,30 @@ def test_retrieval_renders_the_requested_length_and_hides_the_needle(tiny):
         "accuracy": 1.0, "exact_match": 0.0}
     assert task.score("12345", ex.__class__(id="x", prompt="", references=["12345"]))["exact_match"] == 1.0
     assert task.score("1234", ex.__class__(id="x", prompt="", references=["12345"]))["accuracy"] == 0.0
+
+
+def test_a_batched_cell_scores_every_example_as_batch_one(tmp_path):
+    """batch_size=3 over 5 examples (slots refilled, then the batch shrinks): the same predictions and scores as
+    one at a time; each row says it was batched and what the batch did."""
+    base = ["model=tiny-llama", "task.n=5", "task.context_tokens=160", "task.max_new_tokens=6", "policy=h2o",
+            "budget=0.5", "stage=both"]
+    runner.run_cell(cfg(base), tmp_path / "one", "t")
+    runner.run_cell(cfg(base + ["batch_size=3"]), tmp_path / "three", "t")
+    alone = {r["example_id"]: r for r in read_rows(tmp_path / "one" / "rows.jsonl")}
+    batched = read_rows(tmp_path / "three" / "rows.jsonl")
+    assert sorted(r["example_id"] for r in batched) == sorted(alone)
+    for r in batched:
+        a = alone[r["example_id"]]
+        assert r["status"] == "ok" and r["prediction"] == a["prediction"] and r["score"] == a["score"]
+        assert r["budget_achieved"] == a["budget_achieved"] and r["kv_resident_bytes"] == a["kv_resident_bytes"]
+        assert r["batch_size"] == 3 and a["batch_size"] == 1
+        assert r["batch_decode_tokens_per_s"] >= r["decode_tokens_per_s"] * 0.999
+    assert max(r["decode_batch_mean"] for r in batched) > 1.5
+    assert runner.cell_path("m", "t", None, "h2o", "both", 0.5, 3).endswith("budget=0.5/batch=3")
+    assert runner.cell_path("m", "t", None, "h2o", "both", 0.5, 1).endswith("budget=0.5")
+
+
+def test_batch_size_must_be_a_positive_integer(tmp_path):
+    for bad in ("0", "-2", "1.5", "true"):
+        with pytest.raises(ConfigError, match="batch_size=.* must be a positive integer"):
+            runner.run_cell(cfg(TINY + [f"batch_size={bad}"]), tmp_path / "c", "t")

@@ -87,6 +87,9 @@ def _normalise(frame: pd.DataFrame) -> pd.DataFrame:
     frame["budget_value"] = order.map(lambda o: o[1])
     frame["budget"] = raw_budget.map(budget_label)
     frame["status"] = frame.get("status", pd.Series("ok", index=frame.index)).fillna("ok").astype(str)
+    if "batch_size" in frame:  # a batch's timings are not one sequence's: never on one line with them
+        batch = pd.to_numeric(frame["batch_size"], errors="coerce").fillna(1).astype(int)
+        frame.loc[batch > 1, "policy"] = frame["policy"] + " (batch " + batch.astype(str) + ")"
     return frame
 
 
