@@ -10,67 +10,18 @@ but kept cannot hide a later run's peak.
 """
 from __future__ import annotations
 
-import ctypes
-import gc
 import statistics
-import sys
-import threading
-import time
 from typing import Any
 
-import psutil
 import torch
 
 from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.measure import PeakMemory
 from kvbench.models import LoadedModel
 
 POLICIES = ["full", "h2o", "scissorhands", "roco", "mean_window", "accumulated_robust", "vatp",
             "tova", "snapkv", "pyramidkv", "adakv"]
 BUDGET = 0.25
-
-
-def trim_freed_memory() -> None:
-    """Hand the pages of every freed block back to the system (glibc only; elsewhere nothing to do)."""
-    gc.collect()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-
-
-class PeakMemory:
-    """Peak memory above the level at entry: CUDA's allocator counter, or the sampled resident set on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.peak = device, 0
-
-    def __enter__(self) -> "PeakMemory":
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return self
-        trim_freed_memory()
-        self.proc, self.done = psutil.Process(), threading.Event()
-        self.base = self.highest = self.proc.memory_info().rss
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self.done.is_set():
-            self.highest = max(self.highest, self.proc.memory_info().rss)
-            time.sleep(0.001)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
-            return
-        self.done.set()
-        self.thread.join()
-        self.peak = self.highest - self.base
 
 
 def prefill_run(lm: LoadedModel, ids: list[int], policy: Any, stride: int | None) -> tuple[float, int]:

@@ -1,9 +1,13 @@
 """Timers and memory probes that mean the same thing on CPU and CUDA."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import sys
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,3 +48,51 @@ def latency_summary(seconds: list[float]) -> dict[str, float | None]:
         "decode_ms_p95": float(np.percentile(ms, 95)),
         "decode_tokens_per_s": float(len(seconds) / np.sum(seconds)),
     }
+
+
+def trim_freed_memory() -> None:
+    """Hand the pages of every freed block back to the system (glibc only; elsewhere nothing to do)."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA's allocator counter (``kind`` "cuda_max_allocated"), or on
+    CPU the resident set sampled every millisecond after freed pages went back to the system ("cpu_rss")."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+        self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss"
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        import psutil
+
+        trim_freed_memory()
+        self.proc, self.done = psutil.Process(), threading.Event()
+        self.base = self.highest = self.proc.memory_info().rss
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.is_set():
+            self.highest = max(self.highest, self.proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+            return
+        self.done.set()
+        self.thread.join()
+        self.peak = self.highest - self.base

@@ -1,0 +1,153 @@
+"""Batched decoding and what the memory saved buys: SmolLM2 float32 by default, 1k-token prompts, 64 new tokens.
+
+    python scripts/bench_batch.py                    # the README's table (about 25 minutes on 2 CPU cores)
+    python scripts/bench_batch.py --model tiny-llama --context 128 --new-tokens 8 --rounds 1 --out /tmp/b  # seconds
+
+Every compared figure comes from runs interleaved in one process, the order rotating round by round, so a slow
+spell of the machine lands on all of them alike; a figure is the median over ``--rounds``.
+
+- Throughput: decode tokens/s of ``full`` at batch 1 and 8 against transformers' ``generate`` at the same batch
+  (left-padded; its decode time is a 64-token run minus a 1-token run, per token).
+- Per-step cost at batch 8 of the attention-statistics policies against ``window`` (budget 0.25, stage both).
+- Capacity: the memory cap is set halfway between what 4 and 5 full-cache sequences take, so ``full`` fits 4;
+  then ``kvbench.capacity.largest_batch`` finds each policy's largest batch under it (budget 0.25, stage both),
+  and its decode tokens/s there is measured against ``full``'s at 4.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kvbench.capacity import GIB, largest_batch, probe
+from kvbench.engine import measure
+from kvbench.engine.batch import BatchRun
+from kvbench.engine.generate import DecodeSettings, Request
+from kvbench.models import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import MODELS, policy  # noqa: E402
+
+STATS = ["h2o", "roco", "tova", "scissorhands", "mean_window", "accumulated_robust", "vatp"]
+CAPACITY = ["window", "h2o", "roco"]
+
+
+def prompts(vocab: int, n: int, count: int, new: int) -> list[Request]:
+    g = torch.Generator().manual_seed(n)
+    return [Request(torch.randint(100, min(vocab, 20000), (n,), generator=g).tolist(),
+                    settings=DecodeSettings(max_new_tokens=new)) for _ in range(count)]
+
+
+def kvbench_step(model: Any, reqs: list[Request], name: str, budget: float, stage: str) -> float:
+    """Median seconds of a decode step while every sequence of the batch is live."""
+    gens = BatchRun(model, None, reqs, policy(name), budget, stage, len(reqs)).run()
+    return statistics.median(gens[0].decode_latencies_s)
+
+
+def generate_step(model: Any, reqs: list[Request], new: int) -> float:
+    """transformers' generate, greedy, left-padded batch: seconds per decode step."""
+    ids = torch.tensor([r.input_ids for r in reqs], device=model.device)
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> float:
+        t = measure.now(model.device)
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return measure.now(model.device) - t
+
+    return (run(new) - run(1)) / (new - 1)
+
+
+def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Each run once per round, the order rotating; the median per run."""
+    out: dict[str, list[float]] = {k: [] for k in runs}
+    labels = list(runs)
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+            out[label].append(runs[label]())
+            print(f"  {label}: {out[label][-1] * 1e3:.1f} ms/step", flush=True)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("docs/perf"))
+    args = ap.parse_args()
+    lm = load_model(args.model, **MODELS[args.model], dtype="float32")
+    model = lm.model
+    model.generation_config.eos_token_id = None  # exactly new_tokens every run
+    model.generation_config.pad_token_id = 0
+    vocab, b = model.config.vocab_size, args.batch
+    one, many = prompts(vocab, args.context, 1, args.new_tokens), prompts(vocab, args.context, b, args.new_tokens)
+    report: dict[str, Any] = {"model": args.model, "context": args.context, "new_tokens": args.new_tokens,
+                              "batch": b, "budget": args.budget, "rounds": args.rounds,
+                              "threads": torch.get_num_threads(), "device": str(lm.device)}
+    print("throughput", flush=True)
+    steps = interleaved({
+        "kvbench full B=1": lambda: kvbench_step(model, one, "full", 1.0, "both"),
+        f"kvbench full B={b}": lambda: kvbench_step(model, many, "full", 1.0, "both"),
+        "generate B=1": lambda: generate_step(model, one, args.new_tokens),
+        f"generate B={b}": lambda: generate_step(model, many, args.new_tokens),
+    }, args.rounds)
+    report["throughput_tokens_per_s"] = {k: (b if f"B={b}" in k else 1) / v for k, v in steps.items()}
+    print("per-step cost at batch", b, flush=True)
+    report["step_ms"] = {k: v * 1e3 for k, v in interleaved(
+        {name: (lambda name=name: kvbench_step(model, many, name, args.budget, "both")) for name in ["window"] + STATS},
+        args.rounds).items()}
+    print("capacity", flush=True)
+    reqs = prompts(vocab, args.context, 4, args.new_tokens)
+    sizes = {n: probe(model, reqs, policy("full"), 1.0, "both", n, 1 << 62).peak_memory_bytes for n in (4, 5)}
+    cap = (sizes[4] + sizes[5]) // 2
+    report["capacity"] = {"cap_bytes": cap, "cap_gib": cap / GIB, "full_peak_bytes": sizes, "policies": {}}
+    for name in ["full"] + CAPACITY:
+        budget = 1.0 if name == "full" else args.budget
+        best, probes = largest_batch(lambda n: probe(model, reqs, policy(name), budget, "both", n, cap))
+        report["capacity"]["policies"][name] = {"max_batch": best, "probes": [p.row() for p in probes]}
+        print(f"  {name}: max batch {best}", flush=True)
+    at = {name: (lambda name=name: kvbench_step(model, [reqs[i % 4] for i in range(
+        report["capacity"]["policies"][name]["max_batch"])], name, 1.0 if name == "full" else args.budget, "both"))
+        for name in ["full"] + CAPACITY}
+    at_steps = interleaved(at, args.rounds)
+    for name, step in at_steps.items():
+        report["capacity"]["policies"][name]["decode_tokens_per_s"] = (
+            report["capacity"]["policies"][name]["max_batch"] / step)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"bench_batch_{args.model}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+    print(f"wrote {path}")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    b = report["batch"]
+    tps = report["throughput_tokens_per_s"]
+    lines = ["| decode tokens/s | kvbench full | transformers generate | kvbench / generate |", "| --- | --- | --- | --- |"]
+    for n in (1, b):
+        ours, theirs = tps[f"kvbench full B={n}"], tps[f"generate B={n}"]
+        lines.append(f"| batch {n} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
+    lines.append(f"\nkvbench full, batch {b} / batch 1: {tps[f'kvbench full B={b}'] / tps['kvbench full B=1']:.2f} ×\n")
+    steps = report["step_ms"]
+    lines += [f"| policy (budget {report['budget']}, batch {b}) | decode step ms | × window |", "| --- | --- | --- |"]
+    lines += [f"| {k} | {v:.1f} | {v / steps['window']:.2f} |" for k, v in steps.items()]
+    cap = report["capacity"]
+    full = cap["policies"]["full"]
+    lines += [f"\nMemory cap {cap['cap_gib'] * 1024:.0f} MiB ({'device' if 'cuda' in report['device'] else 'KV + working, CPU RSS'})\n",
+              "| policy | max batch | × full | decode tokens/s there | × full |", "| --- | --- | --- | --- | --- |"]
+    for name, p in cap["policies"].items():
+        lines.append(f"| {name} | {p['max_batch']} | {p['max_batch'] / full['max_batch']:.2f} | "
+                     f"{p['decode_tokens_per_s']:.1f} | {p['decode_tokens_per_s'] / full['decode_tokens_per_s']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
