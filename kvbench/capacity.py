@@ -45,11 +45,13 @@ def probe(model: Any, requests: list[Request], policy: Policy, budget: float | i
     device = next(model.parameters()).device
     chosen = [requests[i % len(requests)] for i in range(batch)]
     error, generations = None, []
+    run = BatchRun(model, None, chosen, policy, budget, stage, batch, stride)  # packs weights (CPU): not counted
     with PeakMemory(device) as memory:
         try:
-            generations = BatchRun(model, None, chosen, policy, budget, stage, batch, stride).run()
+            generations = run.run()
         except torch.cuda.OutOfMemoryError as err:
             error = f"OutOfMemoryError: {err}"
+    del run
     if error is not None:
         torch.cuda.empty_cache()
         return Probe(batch, False, memory.peak, memory.kind, None, None, None, error)

@@ -50,6 +50,8 @@ class BatchRun:
         self.sequences = [self._sequence(i, r, budget, stride) for i, r in enumerate(requests)]
         self.cache_kw = cache_argument(model)
         self.fused = fused_forward_for(model, fused)
+        if self.fused is not None:
+            self.fused.pack(batch_size)
         self.stops = eos_ids(model, tokenizer)
         self.queue = deque(self.sequences)
         self.live: list[Sequence] = []
@@ -93,8 +95,9 @@ class BatchRun:
         return bool(self.queue or self.live)
 
     def run(self) -> list[Any]:
-        while self.step():
-            pass
+        with kvbench_attention_enabled(self.model):  # held for the whole run, not set again at every step
+            while self.step():
+                pass
         return self.results()
 
     def results(self) -> list[Any]:
