@@ -91,3 +91,23 @@ def largest_batch(fits: Callable[[int], Probe], limit: int = 1024) -> tuple[int,
         else:
             bad = mid
     return good, probes
+
+
+def capacity_rows(model: Any, requests: list[Request], policy: Policy, budget: float | int, stage: str,
+                  memory_gib: float, max_batch: int, stride: int | None,
+                  done: dict[int, dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """One cell of ``experiment=capacity``: the largest batch under ``memory_gib`` and a row per probe (batch
+    size, whether it fit, peak memory, the batch's decode tokens/s). Probes already in ``done`` (a resumed
+    cell's rows, by batch size) are not run again."""
+    cap = int(memory_gib * GIB)
+    new: list[dict[str, Any]] = []
+
+    def fits(batch: int) -> Probe:
+        if batch in done:
+            return Probe(**{k: done[batch][k] for k in Probe.__dataclass_fields__})
+        found = probe(model, requests, policy, budget, stage, batch, cap, stride)
+        new.append(found.row())
+        return found
+
+    best, _ = largest_batch(fits, max_batch)
+    return best, new

@@ -34,6 +34,7 @@ class RunSpec:
     fidelity: bool
     tracking: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 1
+    capacity: dict[str, Any] = field(default_factory=dict)
 
     @property
     def task_id(self) -> str:
@@ -96,6 +97,12 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     batch_size = data.get("batch_size", 1)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer (sequences decoded together)")
+    capacity = dict(data.get("capacity") or {})
+    cap, most = capacity.get("memory_gib"), capacity.get("max_batch", 1024)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+        raise ConfigError(f"capacity.memory_gib={cap!r} must be a positive number of GiB (or null: no capacity search)")
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        raise ConfigError(f"capacity.max_batch={most!r} must be a positive integer")
     seed = data.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed={seed!r} must be an integer")
@@ -126,6 +133,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
         model=model, policy_cfg=dict(data["policy"]), task_cfg=dict(data["task"]), policy=policy,
         budget=budget, stage=stage, stride=stride, seed=int(seed), max_new_tokens=max_new,
         sampling=sampling, fidelity=bool(data.get("fidelity", False)), tracking=tracking, batch_size=batch_size,
+        capacity=capacity,
     )
 
 

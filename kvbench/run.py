@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import sys
@@ -18,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from kvbench.capacity import capacity_rows
 from kvbench.config import ConfigError, RunSpec, validate
 from kvbench.engine.batch import BatchRun
 from kvbench.engine.generate import (DecodeSettings, Generation, Request, generate, reference_length,
@@ -298,8 +300,12 @@ def _fill_cell(results: CellResults, task: Task, spec: RunSpec, identity: dict[s
     results.clear_error()
     if results.is_complete():
         log.info("cell %s is complete; skipping", cell_dir)
+        if spec.capacity.get("memory_gib"):
+            return json.loads(results.summary_path.read_text(encoding="utf-8"))
         return summarize(results.rows(), len(results.rows()))
     examples = task.examples()
+    if spec.capacity.get("memory_gib"):
+        return _fill_capacity_cell(results, task, spec, identity, resolved, cell_dir, sweep, examples)
     done = results.finished_ids()
     todo = [ex for ex in examples if ex.id not in done]
     tracker = None
@@ -326,6 +332,36 @@ def _fill_cell(results: CellResults, task: Task, spec: RunSpec, identity: dict[s
     finally:
         if tracker is not None:
             tracker.abort()  # a no-op after finish; marks the run failed when the cell stopped early
+
+
+def _fill_capacity_cell(results: CellResults, task: Task, spec: RunSpec, identity: dict[str, Any],
+                        resolved: dict[str, Any], cell_dir: Path, sweep: str, examples: list[Example]) -> dict[str, Any]:
+    """``experiment=capacity``: the largest batch under the memory cap, by real runs of the task's prompts (a
+    row per probed batch size); a resumed cell reuses the probes it already has."""
+    cap, limit = float(spec.capacity["memory_gib"]), int(spec.capacity.get("max_batch") or 1024)
+    done = {int(r["capacity_batch"]): r for r in results.rows() if r.get("kind") == "capacity"}
+    rendered = render_all(task, examples, spec)
+    lm = get_model(spec.model)
+    origin = provenance(lm.device, lm.dtype)
+    requests = [Request(rendered[ex.id].input_ids, rendered[ex.id].suffix_ids, example_settings(task, spec, ex))
+                for ex in examples]
+    eos = lm.model.generation_config.eos_token_id
+    lm.model.generation_config.eos_token_id = None  # every probe decodes its full length: comparable steps
+    try:
+        best, probes = capacity_rows(lm.model, requests, spec.policy, spec.budget, spec.stage, cap, limit, spec.stride,
+                                     done)
+    finally:
+        lm.model.generation_config.eos_token_id = eos
+    for found in probes:
+        results.append({**identity, "example_id": f"batch={found['batch']}", "kind": "capacity", "status": "ok",
+                        "capacity_batch": found["batch"], "capacity_memory_gib": cap, **found, **origin})
+    rows = [r for r in results.rows() if r.get("kind") == "capacity"]
+    at_best = next((r for r in rows if r["capacity_batch"] == best), {})
+    summary = {**identity, "n_expected": len(rows), "n_ok": len(rows), "n_error": 0, "max_batch": best,
+               "capacity_memory_gib": cap, "decode_tokens_per_s_at_max_batch": at_best.get("decode_tokens_per_s")}
+    results.write_summary(summary)
+    log.info("cell %s: largest batch under %.3g GiB is %d", cell_dir, cap, best)
+    return summary
 
 
 def cell_path_name(identity: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from kvbench.report.aggregate import (
     quality_column,
     with_full_baseline,
 )
+from kvbench.report.capacity import capacity_figures
 from kvbench.report.load import CELL, Loaded, load_rows
 from kvbench.report.plots import budget_figure, pareto_figure, save_figure
 from kvbench.report.style import lower_is_better, sort_stages
@@ -140,13 +141,21 @@ def build_report(
     rows = loaded.rows
     if rows.empty:
         raise ValueError(f"no rows.jsonl rows under {', '.join(map(str, roots))}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    is_capacity = rows["kind"].eq("capacity") if "kind" in rows else pd.Series(False, index=rows.index)
+    capacity = capacity_figures(rows[is_capacity], out_dir) if is_capacity.any() else []
+    rows = rows[~is_capacity]
+    if rows.empty:
+        report = out_dir / "report.md"
+        report.write_text("\n".join(["# kvbench report", "", "## Capacity", "", *capacity, ""]), encoding="utf-8")
+        print(f"kvbench-report: wrote {report}", file=log)
+        return report
     column, names = quality_column(rows, metric)
     quantities = [column, *(c for c, *_ in SYSTEMS), *(c for c, *_ in PARETO)]
     stats = with_full_baseline(cell_stats(rows, list(dict.fromkeys(quantities)), n_boot, seed))
     missing, errors = missing_cells(rows), error_counts(rows)
     _log_coverage(log, loaded, missing, errors)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     sections = _write_figures(stats, column, names, sort_stages(rows["stage"]), out_dir)
     quality = _quantity(stats, column)
     tables_md = quality_markdown(quality, names)
@@ -169,6 +178,8 @@ def build_report(
     for title, images in sections.items():
         if images:
             parts += ["", f"## {title}", "", "\n\n".join(images)]
+    if capacity:
+        parts += ["", "## Capacity", "", *capacity]
     parts += ["", "## Quality tables", "", "Best policy per budget in bold (the full cache is the reference).", ""]
     parts += [tables_md or "No quality values.", "", _coverage(loaded, missing, errors), ""]
     report = out_dir / "report.md"

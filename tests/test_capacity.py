@@ -1,0 +1,62 @@
+"""The capacity experiment: the search for the largest batch, real probes through a Hydra cell, the report."""
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import kvbench.run as runner
+from kvbench.capacity import Probe, largest_batch
+from kvbench.report.build import build_report
+from kvbench.results import read_rows
+
+from conftest import CONFIG_DIR
+
+
+def synthetic(threshold: int):
+    return lambda b: Probe(b, b <= threshold, b * 10, "test", float(b), 1.0, b)
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2, 3, 5, 8, 13, 64, 100])
+def test_doubling_then_bisection_finds_the_largest_batch_that_fits(threshold):
+    best, probes = largest_batch(synthetic(threshold), limit=100)
+    assert best == min(threshold, 100)
+    tried = [p.batch for p in probes]
+    doubling = [b for b in tried if b & (b - 1) == 0]
+    assert doubling[: len(doubling)] == [1, 2, 4, 8, 16, 32, 64][: len(doubling)]  # 1, 2, 4, ... first
+    assert len(tried) == len(set(tried))  # nothing probed twice
+    if 0 < threshold < 100:
+        assert best + 1 in tried and not next(p for p in probes if p.batch == best + 1).fits  # the edge was probed
+
+
+def cfg(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def test_a_capacity_cell_probes_real_batches_and_reports(tmp_path):
+    """A cap no run reaches: the search climbs to capacity.max_batch with real runs, a row per probe, and the
+    report draws the three capacity figures."""
+    base = ["model=tiny-llama", "task.n=2", "task.context_tokens=96", "max_new_tokens=4", "stage=both",
+            "capacity.memory_gib=64", "capacity.max_batch=3", f"results_dir={tmp_path}"]
+    for policy, budget in (("full", "1.0"), ("h2o", "0.25"), ("h2o", "0.5")):
+        cell = tmp_path / "capacity" / policy / budget
+        summary = runner.run_cell(cfg(base + [f"policy={policy}", f"budget={budget}"]), cell, "capacity")
+        assert summary["max_batch"] == 3
+        rows = read_rows(cell / "rows.jsonl")
+        assert [r["capacity_batch"] for r in rows] == [1, 2, 3] and all(r["fits"] for r in rows)
+        assert all(r["decode_tokens_per_s"] > 0 and r["peak_memory_bytes"] >= 0 for r in rows)
+        assert summary["decode_tokens_per_s_at_max_batch"] == rows[-1]["decode_tokens_per_s"]
+        again = runner.run_cell(cfg(base + [f"policy={policy}", f"budget={budget}"]), cell, "capacity")
+        assert again["max_batch"] == 3 and len(read_rows(cell / "rows.jsonl")) == 3  # complete: nothing rerun
+    report = build_report([tmp_path / "capacity"], tmp_path / "report").read_text()
+    for stem in ("capacity_tokens_per_s_vs_budget", "capacity_max_batch_vs_budget", "capacity_tokens_per_s_vs_batch"):
+        assert stem in report
+        assert list((tmp_path / "report").glob(f"{stem}_*.pdf"))
+    assert "| tiny-llama | retrieval | both | h2o | 25% | 3 |" in report
+
+
+@pytest.mark.parametrize("override, message", [("capacity.memory_gib=0", "capacity.memory_gib=0 must be a positive"),
+                                               ("capacity.max_batch=0", "capacity.max_batch=0 must be a positive")])
+def test_bad_capacity_settings_are_refused(tmp_path, override, message):
+    with pytest.raises(runner.ConfigError, match=message):
+        runner.run_cell(cfg(["model=tiny-llama", override]), tmp_path / "c", "t")
