@@ -70,11 +70,6 @@ class Scope(ABC):
         """The smallest budget this scope can honour (its fixed protections plus one candidate)."""
         return 1
 
-    def shields_alike(self, budgets: list[int]) -> bool:
-        """Whether ``protected`` marks the same entries of a head at every budget in ``budgets``, so that layers
-        of those budgets can be shielded in one go."""
-        return len(set(budgets)) == 1
-
     def reserved(self, budget: int) -> int:
         """Tokens the scope protects whatever the scores at this budget (sinks, recent window): what a
         layer-wise allocation keeps out of its split (PyramidKV spreads only the rest)."""

@@ -61,8 +61,6 @@ class Everything(Scope):
     def shield(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
         return scores
 
-    def shields_alike(self, budgets: list[int]) -> bool:
-        return True
 
 
 class SinksAndWindow(Scope):
@@ -95,9 +93,6 @@ class SinksAndWindow(Scope):
 
     def min_budget(self) -> int:
         return self.n_sink + 1
-
-    def shields_alike(self, budgets: list[int]) -> bool:
-        return len({(min(self.n_sink, b), self.window_size(b)) for b in budgets}) == 1
 
     def reserved(self, budget: int) -> int:
         return min(budget, min(self.n_sink, budget) + self.window_size(budget))

@@ -47,10 +47,6 @@ class Entries:
         local = torch.arange(lo * self.heads, hi * self.heads, device=self.device)
         return torch.arange(self.layers, device=self.device).unsqueeze(1) * self.rows + local
 
-    def column(self, name: str, layer: int | None = None) -> torch.Tensor:
-        values = self.table[..., self.columns.index(name)]
-        return values if layer is None else values[layer]
-
     def _column_at(self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Flat indices into ``table`` of column ``name`` at the layer's entries (``rows`` [m], ``slots`` [m])."""
         at = (layer * self.rows + rows) * self.capacity + slots

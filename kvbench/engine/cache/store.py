@@ -38,10 +38,7 @@ class KVStore:
 
     def write(self, rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Entries at ``slots`` [r, q] of rows ``rows`` [r]: k [r, q, D], v [r, q, Dv]."""
-        self.write_at(flat_slots(rows, slots, self.capacity), k, v)
-
-    def write_at(self, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Entries at flat indices ``at`` [m] (row × capacity + slot): k [..., D] with m vectors."""
+        at = flat_slots(rows, slots, self.capacity)
         for (codes, scales), x in zip(self._pairs(), (k, v)):
             x = x.reshape(-1, x.shape[-1])
             if self.quantizer is None:
@@ -60,10 +57,7 @@ class KVStore:
 
     def gather(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries at ``slots`` [r, m] of rows ``rows`` [r]: [r, m, D] each."""
-        return self.gather_at(flat_slots(rows, slots, self.capacity), slots.shape)
-
-    def gather_at(self, at: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries at flat indices ``at``, shaped [*shape, D]."""
+        at, shape = flat_slots(rows, slots, self.capacity), slots.shape
 
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.view(-1, t.shape[-1]).index_select(0, at).view(*shape, t.shape[-1])
