@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/kvbench-run -m experiment=capacity results_dir=results sweep_name=capacity_example print_table=false \
-  "capacity.memory_gib=${CAP_GIB:-0.125}"
+  "capacity.memory_gib=${CAP_GIB:-0.25}"
 .venv/bin/kvbench-report results/capacity_example --out results/capacity_example/report

@@ -171,7 +171,9 @@ class BatchRun:
         else:
             self.batch.copy_slot(cache, 0, slot)
             seq.cache = self.batch
-        del cache
+            del cache
+            if self.device.type == "cpu":  # the prompt's working memory goes back to the system, not to the heap
+                measure.trim_freed_memory(collect=False)
         seq.slot = slot
         self.live.append(seq)
         self._retire([seq] if self._stop(seq) else [])

@@ -50,9 +50,11 @@ def latency_summary(seconds: list[float]) -> dict[str, float | None]:
     }
 
 
-def trim_freed_memory() -> None:
-    """Hand the pages of every freed block back to the system (glibc only; elsewhere nothing to do)."""
-    gc.collect()
+def trim_freed_memory(collect: bool = True) -> None:
+    """Hand the pages of every freed block back to the system (glibc only; elsewhere nothing to do), after a
+    garbage collection unless ``collect`` is False."""
+    if collect:
+        gc.collect()
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from kvbench.engine.cache import evict as evicting
+from kvbench.engine.cache import schedule
+from kvbench.engine.cache.layer import CacheLayer
 from kvbench.engine.cache.entries import STAT_NAMES, Entries
 from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
-from kvbench.engine.visibility import Window
 from kvbench.policies.base import Policy
 from kvbench.policies.state import TokenState
 from kvbench.policies.positions import Rotary, layer_rotaries
@@ -30,61 +30,6 @@ class CacheStats:
     resident_bytes: int = 0
     capacity_bytes: int = 0
     resident_per_layer: list[int] = field(default_factory=list)
-
-
-class CacheLayer(CacheLayerMixin):
-    """One decoder layer: its K/V store and what the current step's keys are."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, cache: "KVCache", layer_idx: int, plan: LayerPlan, capacity: int):
-        super().__init__()
-        self.cache, self.layer_idx, self.plan, self.capacity = cache, layer_idx, plan, capacity
-        self.policy: Policy = plan.policy or cache.policy
-        self.store: KVStore | None = None
-        self.rotary: Rotary | None = None
-        # The step's keys: how many (slots 0:n), how many precede the step's own (q > 1), which are visible
-        # ([rows, n] for a decode step, [rows, past] for a chunk; None: all) and their positions [rows, n].
-        self.n = self.past = 0
-        self.visible: torch.Tensor | None = None
-        self.key_positions: torch.Tensor | None = None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.cache.write(self.layer_idx, key_states, value_states)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n or query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.n
-
-    def get_max_length(self) -> int:
-        return self.capacity
-
-    def reset(self) -> None:
-        raise RuntimeError("a kvbench cache is built per run; it is never reset")
-
-    def state(self, slot: int = 0) -> TokenState:
-        """What this layer holds for the sequence in ``slot``, as its policy ranks it."""
-        return self.cache.layer_state(self.layer_idx, slot)
-
-    def step_window(self, size: int | None) -> Window | None:
-        """The step's sliding window over its keys, or None where every visible key is inside it."""
-        if size is None:
-            return None
-        cache = self.cache
-        queries = cache.query_positions  # [rows, q]
-        keys = self.key_positions
-        held = keys if self.visible is None or self.visible.shape[1] != keys.shape[1] else keys.masked_fill(
-            ~self.visible, -1)
-        oldest = held.masked_fill(held < 0, torch.iinfo(held.dtype).max).amin(dim=1)
-        if bool((queries[:, -1] - oldest < size).all()):
-            return None
-        return Window(size, held, queries)
 
 
 class KVCache(Cache):
@@ -103,11 +48,8 @@ class KVCache(Cache):
             if model is None:
                 raise ValueError("positions=reindex needs the model (its rotary embedding) to build the cache")
             self.rotaries = layer_rotaries(model)
-        layers = [CacheLayer(self, i, plan, 0) for i, plan in enumerate(plans)]
-        super().__init__(layers=layers)
-        if self.rotaries is not None:
-            for layer, rotary in zip(self.layers, self.rotaries):
-                layer.rotary = rotary if rotary.rot_dim > 0 else None
+        rotaries = self.rotaries or [None] * len(plans)
+        super().__init__(layers=[CacheLayer(self, i, plan, rotary) for i, (plan, rotary) in enumerate(zip(plans, rotaries))])
         self.budgets: list[list[int | None]] = [[None] * slots for _ in plans]
         self.entries: Entries | None = None
         self.lo = self.hi = 0
@@ -133,9 +75,7 @@ class KVCache(Cache):
         self.entries = Entries(len(self.layers), self.slots, heads, max(caps), columns, history, self.device)
         self.shapes = (heads, k_dim, v_dim, dtype)
         for layer, cap in zip(self.layers, caps):
-            layer.capacity = cap
-            layer.store = KVStore(self.slots * heads, cap, k_dim, v_dim, dtype, self.device, layer.policy.quantize)
-            layer.is_initialized = True
+            layer.attach(KVStore(self.slots * heads, cap, k_dim, v_dim, dtype, self.device, layer.policy.quantize))
         e = self.entries
         head = torch.arange(e.layers * e.rows, device=self.device)
         self.row_keys = (head // e.rows) * heads + head % heads
@@ -202,13 +142,12 @@ class KVCache(Cache):
         n = self.spans[l]
         keys, values = layer.store.read(self.lo * h, self.hi * h, n)
         rr = e.row_range(self.lo, self.hi)
-        layer.n, layer.past = n, (n if q == 1 else n - q)
-        layer.key_positions = e.positions[l, rr, :n]
-        visible = None if self.dense[l] else e.occupied[l, rr, : layer.past]
+        past = n if q == 1 else n - q
+        visible = None if self.dense[l] else e.occupied[l, rr, :past]
         if self.hidden is not None and self.hidden[l] is not None:
-            by_slot = self.hidden[l].gather(1, e.positions[l, rr, : layer.past].clamp_min(0))
-            visible = by_slot & e.occupied[l, rr, : layer.past]
-        layer.visible = visible
+            by_slot = self.hidden[l].gather(1, e.positions[l, rr, :past].clamp_min(0))
+            visible = by_slot & e.occupied[l, rr, :past]
+        layer.begin_step(n, past, visible, e.positions[l, rr, :n])
         if layer.rotary is not None:
             keys = layer.rotary.rotate(keys, self.reindexed_positions(l, n))
         return keys.view(b, h, n, -1), values.view(b, h, n, -1)
@@ -263,103 +202,12 @@ class KVCache(Cache):
         return [s * h + i for s, p in enumerate(self.host_positions) if p[0] % w == w - 1 for i in range(h)]
 
     def end_step(self) -> None:
-        """Evict every row over its budget and trim sliding layers to their window; a prompt chunk's evicted
-        layers are then densified."""
-        e = self.entries
-        rr = e.row_range(self.lo, self.hi)
-        lengths = e.lengths[:, rr].tolist()
-        q = len(self.host_positions[0])
-        groups: dict[tuple, evicting.Group] = {}
-        trims: dict[tuple, list[tuple[int, int]]] = {}
-        ragged_trims: list[int] = []
-        for l, layer in enumerate(self.layers):
-            policy, hold = layer.policy, layer.plan.hold
-            per_head = policy.allocation.per_head
-            for s in range(self.lo, self.hi):
-                counts = lengths[l][(s - self.lo) * e.heads : (s - self.lo + 1) * e.heads]
-                budget = self.budgets[l][s]
-                if self.evicting and policy.evicts and budget is not None:
-                    size = sum(counts) if per_head else counts[0]
-                    if size > (budget * e.heads if per_head else budget):
-                        key = self.group_key(l, s, budget, size)
-                        groups.setdefault(key, evicting.Group(policy, budget, layer.plan.window)).units.append((l, s))
-                        continue
-                if hold is not None and max(counts) > hold:
-                    if per_head:
-                        ragged_trims.append(l)
-                    else:
-                        trims.setdefault((hold, counts[0]), []).append((l, s))
-        if not groups and not trims and not ragged_trims and not (q > 1 and self.evicting):
-            return
-        step = self._step_rows()
-        changed: set[int] = set()
-        for key, group in groups.items():
-            rows = self._group_rows(group.units)
-            per_head = group.policy.allocation.per_head
-            n = key[2] if not per_head else max(
-                max(lengths[l][(s - self.lo) * e.heads : (s - self.lo + 1) * e.heads]) for l, s in group.units)
-            evicting.evict_group(e, rows, n, group, step, per_head, [layer.store for layer in self.layers],
-                                 self.write_features)
-            changed.update(l for l, _ in group.units)
-        if ragged_trims or any(g.policy.allocation.per_head for g in groups.values()):
-            ragged = sorted(set(ragged_trims) | {l for g in groups.values() for l, _ in g.units
-                                                 if self.layers[l].plan.hold is not None})
-            for l in ragged:
-                self._trim_ragged(l)
-                changed.add(l)
-        for (hold, n), units in trims.items():
-            rows = self._group_rows(units)
-            idx = torch.arange(n, device=self.device)
-            r = len(units) * e.heads
-            e.keep_sorted(rows, n, idx[n - hold :].expand(r, -1), idx[: n - hold].expand(r, -1))
-            changed.update(l for l, _ in units)
-        if q > 1:
-            for l in sorted(changed):
-                e.densify(l, self.lo, self.hi, self.layers[l].store)
-
-    def group_key(self, l: int, s: int, budget: int, size: int) -> tuple:
-        """What a (layer, sequence) unit's eviction depends on: units of one key are scored as one state. Merging
-        units stay within their layer (merged keys and values are written back to one layer's store)."""
-        layer = self.layers[l]
-        return (id(layer.policy), layer.plan.window, size, budget, l if layer.policy.merge else None)
+        """Evict every row over its budget and trim sliding layers to their window (``schedule``)."""
+        schedule.end_step(self)
 
     def layer_state(self, l: int, slot: int = 0) -> TokenState:
         """What layer ``l`` of the sequence in ``slot`` holds, as its policy ranks it."""
-        e, layer = self.entries, self.layers[l]
-        rows = torch.tensor(evicting.unit_rows(e, [(l, slot)]), device=self.device)
-        lengths = e.lengths.view(-1).index_select(0, rows)
-        n = int(lengths.max())
-        ragged = layer.policy.allocation.per_head or bool((lengths != n).any())
-        group = evicting.Group(layer.policy, self.budgets[l][slot] or n, layer.plan.window)
-        return evicting.group_state(e, rows, n, group, self._step_rows(), lengths if ragged else None,
-                                    [x.store for x in self.layers])
-
-    def _trim_ragged(self, l: int) -> None:
-        """A per-head row of a sliding layer keeps at most its newest ``hold`` entries."""
-        e, hold = self.entries, self.layers[l].plan.hold
-        rr = e.row_range(self.lo, self.hi)
-        lengths = e.lengths[l, rr]
-        n = int(lengths.max())
-        if n <= hold:
-            return
-        idx = torch.arange(n, device=self.device)
-        valid = idx < lengths.unsqueeze(1)
-        keep = valid & (idx >= (lengths - hold).unsqueeze(1))
-        e.keep_mask(l * e.rows + self._rows(self.lo, self.hi), keep, valid)
-
-    def _group_rows(self, units: list[tuple[int, int]]) -> torch.Tensor | None:
-        e = self.entries
-        if len(units) == e.layers * e.slots:
-            return None
-        key = tuple(units)
-        if key not in self._cache:
-            self._cache[key] = torch.tensor(evicting.unit_rows(e, units), device=self.device)
-        return self._cache[key]
-
-    def _step_rows(self) -> evicting.StepRows:
-        e = self.entries
-        seen = torch.tensor(self.seen, device=self.device).repeat_interleave(e.heads).repeat(e.layers)
-        return evicting.StepRows(seen.view(-1, 1), self.row_keys, self.phase, self.seed)
+        return schedule.layer_state(self, l, slot)
 
     # -- slots -----------------------------------------------------------------------------------------------
     def copy_slot(self, source: "KVCache", src: int, dst: int) -> None:
