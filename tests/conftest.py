@@ -43,3 +43,12 @@ def random_ids():
         return torch.randint(0, high, (n,), generator=g).tolist()
 
     return make
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors on a shared 2-core machine: one thread is ~10× faster than contended threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

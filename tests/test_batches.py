@@ -22,6 +22,7 @@ from kvbench.policies.registry import build_policy
 
 from conftest import CONFIG_DIR
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-4  # of the batch-1 run's largest logit
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
 # Windows of the named configs are for real prompts; these prompts hold tens of tokens.
@@ -30,14 +31,6 @@ SMALL = {"snapkv": {"score": {"window": 6}}, "pyramidkv": {"score": {"window": 6
          "accumulated_robust": {"scope": {"n_recent": 4}}}
 LENGTHS, NEW = (40, 25, 33, 50, 29), (12, 5, 9, 12, 7)
 DEEP = ("qwen2-window", "gemma3", "gemma2-softcap", "mistral-window", "gpt2")  # every policy kind batched
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def named(name: str, **extra):

@@ -24,6 +24,7 @@ from kvbench.policies.scores import attention_mean_std
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
 STAGES = ("prefill", "decode", "both")
 # The named configs' window sizes are for real prompts; tiny runs hold ~15 tokens, so scale them down.
@@ -36,15 +37,6 @@ TINY_OVERRIDES = {
     "accumulated_robust": {"scope": {"n_recent": 4}},
 }
 PROMPT, NEW, STRIDE = 48, 12, 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors on a shared 2-core machine: one thread is ~10× faster than contended threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def policy_cfg(name: str, **extra) -> dict:
