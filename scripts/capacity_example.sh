@@ -2,7 +2,7 @@
 # Reproduce results/capacity_example: experiment=capacity on the embedded SmolLM2 (a CPU is enough) and its
 # report. Four 512-token retrieval prompts (cycled to fill a batch), 16 new tokens, stage both; full, window and
 # h2o at budgets 0.25 and 0.5 under one memory cap (CPU: KV cache plus working memory above the loaded model;
-# CAP_GIB overrides it). About 20 minutes on 2 CPU cores.
+# CAP_GIB overrides it). The committed sweep took 17 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -170,3 +170,13 @@ def test_gemma_batched_equals_alone(gemma):
                                                      resolve=True))
         stage = "both" if "decode" not in policy.unsupported_stages else "prefill"
         check_batch(gemma.model, reqs, policy, 0.25, stage, batch_size=2, stride=256, tokenizer=gemma.tokenizer)
+
+
+@pytest.mark.parametrize("name", ["random", "h2o", "adakv", "roco", "scissorhands"])
+def test_sequences_of_one_length_are_scored_as_one_group_as_alone(tiny, name):
+    """Equal lengths and budgets: every sequence's rows are scored in one state with the others' (random draws,
+    Ada-KV's per-unit split, per-row scopes), and each still evicts what it evicts alone."""
+    policy = named(name)
+    stage = "prefill" if "decode" in policy.unsupported_stages else "both"
+    check_batch(tiny.model, requests(lengths=(36,) * 4, news=(10,) * 4, ids_seed=9), policy, 0.4, stage, 4, 8,
+                heads=2)
