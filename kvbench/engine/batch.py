@@ -10,6 +10,7 @@ time, never of the batch.
 """
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from kvbench.engine import measure
 from kvbench.engine.attention import kvbench_attention_enabled
 from kvbench.engine.cache.cache import KVCache
+from kvbench.engine.fused_llama import FusedLlama, supports
 from kvbench.engine.plan import plan_layers
 from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
 from kvbench.engine.sequence import Request, Sequence, finished_generation, resolve_budget, reference_length
@@ -27,6 +29,29 @@ from kvbench.policies.base import Policy
 STAGES = ("prefill", "decode", "both")
 
 
+def cache_argument(model: Any) -> str:
+    """transformers 5 renamed ``past_key_values`` to ``cache``; accept either."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def fused_forward_for(model: Any, fused: bool | None) -> FusedLlama | None:
+    """The model's fused forward, built once and kept on the model; None where it does not apply."""
+    if fused is False:
+        return None
+    ok, why = supports(model)
+    if not ok:
+        if fused:
+            raise ValueError(f"fused=true but {why}; use fused=false")
+        return None
+    key = (next(model.parameters()).device, next(model.parameters()).dtype)
+    cached = getattr(model, "_kvbench_fused", None)
+    if cached is None or cached[0] != key:
+        cached = (key, FusedLlama(model))
+        model._kvbench_fused = cached
+    return cached[1]
+
+
 class BatchRun:
     """The requests' generations, advanced one unit of work per ``step()`` (one prompt's prefill, or one decode
     step of the batch), so that a benchmark can interleave several runs."""
@@ -34,8 +59,6 @@ class BatchRun:
     def __init__(self, model: Any, tokenizer: Any, requests: list[Request], policy: Policy, budget: float | int,
                  stage: str = "prefill", batch_size: int = 1, stride: int | None = None,
                  return_logits: bool = False, trace: bool = False, fused: bool | None = None):
-        from kvbench.engine.generate import cache_argument, fused_forward_for  # they live with the entry points
-
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
         if batch_size < 1:

@@ -3,43 +3,18 @@
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Generator
 from typing import Any
 
 import torch
 
 from kvbench.engine.batch import STAGES, BatchRun
-from kvbench.engine.fused_llama import FusedLlama, supports
 from kvbench.engine.sampling import DecodeSettings
 from kvbench.engine.sequence import Generation, Request, reference_length, resolve_budget
 from kvbench.policies.base import Policy
 
 __all__ = ["STAGES", "DecodeSettings", "Generation", "Request", "generate", "generate_batch", "generation",
            "reference_length", "resolve_budget"]
-
-
-def cache_argument(model: Any) -> str:
-    """transformers 5 renamed ``past_key_values`` to ``cache``; accept either."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def fused_forward_for(model: Any, fused: bool | None) -> FusedLlama | None:
-    """The model's fused forward, built once and kept on the model; None where it does not apply."""
-    if fused is False:
-        return None
-    ok, why = supports(model)
-    if not ok:
-        if fused:
-            raise ValueError(f"fused=true but {why}; use fused=false")
-        return None
-    key = (next(model.parameters()).device, next(model.parameters()).dtype)
-    cached = getattr(model, "_kvbench_fused", None)
-    if cached is None or cached[0] != key:
-        cached = (key, FusedLlama(model))
-        model._kvbench_fused = cached
-    return cached[1]
 
 
 def generate(*args: Any, **kwargs: Any) -> Generation:
