@@ -1,4 +1,5 @@
 """Hydra callbacks: a summary table printed when a sweep ends, and the cells that could not run."""
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,21 @@ from omegaconf import DictConfig
 
 from kvbench.results import SUMMARY, failed_cells
 
-COLUMNS = [("policy", "policy"), ("budget", "budget"), ("stage", "stage"), ("task", "task"), ("n_ok", "n"),
-           ("n_error", "errors"), ("mean.score", "score"), ("mean.budget_achieved", "achieved"),
-           ("mean.budget_achieved_full", "achieved_full"), ("mean.kv_resident_bytes", "kv_bytes"),
-           ("mean.kv_resident_bytes_full", "kv_bytes_full"), ("mean.ttft_s", "ttft_s"),
-           ("mean.decode_tokens_per_s", "decode_tok/s")]
+COLUMNS = [
+    ("policy", "policy"),
+    ("budget", "budget"),
+    ("stage", "stage"),
+    ("task", "task"),
+    ("n_ok", "n"),
+    ("n_error", "errors"),
+    ("mean.score", "score"),
+    ("mean.budget_achieved", "achieved"),
+    ("mean.budget_achieved_full", "achieved_full"),
+    ("mean.kv_resident_bytes", "kv_bytes"),
+    ("mean.kv_resident_bytes_full", "kv_bytes_full"),
+    ("mean.ttft_s", "ttft_s"),
+    ("mean.decode_tokens_per_s", "decode_tok/s"),
+]
 # Shown only for hybrid models (sliding and full-attention layers), where they differ from the overall ones.
 HYBRID_ONLY = ("mean.budget_achieved_full", "mean.kv_resident_bytes_full")
 # Clock slack between this process and the ones that ran the cells (submitit, shared filesystems).
@@ -42,8 +53,9 @@ def summary_table(sweep_dir: Path) -> str:
     metrics = {r.get("primary_metric") for r in records if r.get("primary_metric")}
     if "score" in frame and len(metrics) == 1:
         frame = frame.rename(columns={"score": metrics.pop()})
-    frame = frame.sort_values([c for c in ("task", "stage", "policy", "budget") if c in frame.columns],
-                              key=lambda s: s.astype(str))
+    frame = frame.sort_values(
+        [c for c in ("task", "stage", "policy", "budget") if c in frame.columns], key=lambda s: s.astype(str)
+    )
     return frame.to_string(index=False, float_format=lambda v: f"{v:.4g}")
 
 
@@ -53,8 +65,9 @@ def failure_report(sweep_dir: Path, since: float | None = None) -> str:
     if not failed:
         return ""
     lines = [f"{len(failed)} cell(s) could not run (details in each error.txt):"]
-    lines += [f"  {path.relative_to(sweep_dir) if path.is_relative_to(sweep_dir) else path}: {why}"
-              for path, why in failed]
+    lines += [
+        f"  {path.relative_to(sweep_dir) if path.is_relative_to(sweep_dir) else path}: {why}" for path, why in failed
+    ]
     return "\n".join(lines)
 
 

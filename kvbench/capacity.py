@@ -7,11 +7,13 @@ that does not fit), on CPU the process's resident set above the level before the
 working memory; the weights were loaded before). Decode tokens/s is the batch's: sequences per step over the
 median step time while the batch was full.
 """
+
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -38,8 +40,16 @@ class Probe:
         return asdict(self)
 
 
-def probe(model: Any, requests: list[Request], policy: Policy, budget: float | int, stage: str, batch: int,
-          cap_bytes: int, stride: int | None = None) -> Probe:
+def probe(
+    model: Any,
+    requests: list[Request],
+    policy: Policy,
+    budget: float | int,
+    stage: str,
+    batch: int,
+    cap_bytes: int,
+    stride: int | None = None,
+) -> Probe:
     """``batch`` sequences (the requests, cycled) decoded together under ``policy``; whether the run stayed
     within ``cap_bytes``."""
     device = next(model.parameters()).device
@@ -56,12 +66,20 @@ def probe(model: Any, requests: list[Request], policy: Policy, budget: float | i
         torch.cuda.empty_cache()
         return Probe(batch, False, memory.peak, memory.kind, None, None, None, error)
     peak = memory.peak + (memory.base if device.type == "cuda" else 0)  # CUDA: all device memory in use
-    full_steps = [dt for g in generations[:1] for dt, n in zip(g.decode_latencies_s, g.decode_batch_sizes)
-                  if n == batch]
+    full_steps = [
+        dt for g in generations[:1] for dt, n in zip(g.decode_latencies_s, g.decode_batch_sizes) if n == batch
+    ]
     step = statistics.median(full_steps) if full_steps else None
     resident = sum(g.kv_resident_peak_bytes for g in generations)
-    return Probe(batch, peak <= cap_bytes, peak, memory.kind, batch / step if step else None,
-                 step * 1e3 if step else None, resident)
+    return Probe(
+        batch,
+        peak <= cap_bytes,
+        peak,
+        memory.kind,
+        batch / step if step else None,
+        step * 1e3 if step else None,
+        resident,
+    )
 
 
 def largest_batch(fits: Callable[[int], Probe], limit: int = 1024) -> tuple[int, list[Probe]]:
@@ -93,9 +111,17 @@ def largest_batch(fits: Callable[[int], Probe], limit: int = 1024) -> tuple[int,
     return good, probes
 
 
-def capacity_rows(model: Any, requests: list[Request], policy: Policy, budget: float | int, stage: str,
-                  memory_gib: float, max_batch: int, stride: int | None,
-                  done: dict[int, dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+def capacity_rows(
+    model: Any,
+    requests: list[Request],
+    policy: Policy,
+    budget: float | int,
+    stage: str,
+    memory_gib: float,
+    max_batch: int,
+    stride: int | None,
+    done: dict[int, dict[str, Any]],
+) -> tuple[int, list[dict[str, Any]]]:
     """One cell of ``experiment=capacity``: the largest batch under ``memory_gib`` and a row per probe (batch
     size, whether it fit, peak memory, the batch's decode tokens/s). Probes already in ``done`` (a resumed
     cell's rows, by batch size) are not run again."""

@@ -3,6 +3,7 @@
 Every check here runs before any model weights load, so a bad sweep cell fails in milliseconds
 with one message that names the fix.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,8 +76,10 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     if isinstance(cfg, DictConfig):
         missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
         if missing:
-            raise ConfigError(f"{', '.join(missing)} must be set (it is ??? in the config): add "
-                              f"{' '.join(m + '=...' for m in missing)} to the command line")
+            raise ConfigError(
+                f"{', '.join(missing)} must be set (it is ??? in the config): add "
+                f"{' '.join(m + '=...' for m in missing)} to the command line"
+            )
         try:
             data = OmegaConf.to_container(cfg, resolve=True)
         except Exception as err:  # a bad interpolation: name it rather than crash later
@@ -118,8 +121,10 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
         )
     unsupported = getattr(policy, "unsupported_stages", ())
     if stage in unsupported:
-        raise ConfigError(f"policy={policy.name} cannot run in stage={stage}; use stage in "
-                          f"{[s for s in STAGES if s not in unsupported]}")
+        raise ConfigError(
+            f"policy={policy.name} cannot run in stage={stage}; use stage in "
+            f"{[s for s in STAGES if s not in unsupported]}"
+        )
     model = _check_model(dict(data["model"]))
     from kvbench.embedded import embedded_package_error
 
@@ -130,9 +135,19 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     tracking = dict(data.get("tracking") or {})
     _check_tracking(tracking)
     return RunSpec(
-        model=model, policy_cfg=dict(data["policy"]), task_cfg=dict(data["task"]), policy=policy,
-        budget=budget, stage=stage, stride=stride, seed=int(seed), max_new_tokens=max_new,
-        sampling=sampling, fidelity=bool(data.get("fidelity", False)), tracking=tracking, batch_size=batch_size,
+        model=model,
+        policy_cfg=dict(data["policy"]),
+        task_cfg=dict(data["task"]),
+        policy=policy,
+        budget=budget,
+        stage=stage,
+        stride=stride,
+        seed=int(seed),
+        max_new_tokens=max_new,
+        sampling=sampling,
+        fidelity=bool(data.get("fidelity", False)),
+        tracking=tracking,
+        batch_size=batch_size,
         capacity=capacity,
     )
 
@@ -147,8 +162,10 @@ def _check_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"sampling.{key}={value!r} must be a number")
     if do_sample:
         if float(sampling.get("temperature", 1.0)) <= 0:
-            raise ConfigError(f"sampling.temperature={sampling.get('temperature')} must be > 0 when "
-                              "sampling.do_sample=true (use sampling.do_sample=false for greedy decoding)")
+            raise ConfigError(
+                f"sampling.temperature={sampling.get('temperature')} must be > 0 when "
+                "sampling.do_sample=true (use sampling.do_sample=false for greedy decoding)"
+            )
         if not 0.0 < float(sampling.get("top_p", 1.0)) <= 1.0:
             raise ConfigError(f"sampling.top_p={sampling.get('top_p')} must be in (0, 1]")
     return sampling

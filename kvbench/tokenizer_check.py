@@ -2,6 +2,7 @@
 wrong class (SmolLM2 saved by 5.2 loads under 5.24 as CodeLlamaTokenizer: spaces encode to id 0, EOS becomes
 ``<|im_start|>``), and nothing else would warn. Every score would then be silently wrong.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,10 @@ def check_tokenizer(tokenizer: Any, path: str | os.PathLike | None = None, fix: 
     declared = _declared_class(local)
     loaded_as = type(tokenizer).__name__
     as_declared = f" (tokenizer_config.json says {declared})" if declared and declared != loaded_as else ""
-    fix = fix or ("pass a tokenizer that loads correctly under this transformers version, or fix tokenizer_class "
-                  "in tokenizer_config.json")
+    fix = fix or (
+        "pass a tokenizer that loads correctly under this transformers version, or fix tokenizer_class "
+        "in tokenizer_config.json"
+    )
     raise ValueError(
         f"tokenizer at {path} is broken: {problem}. It was saved by transformers {_saved_by(local)} and loaded as "
         f"{loaded_as}{as_declared} under transformers {transformers.__version__}. Fix: {fix}"

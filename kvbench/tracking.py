@@ -5,6 +5,7 @@ the run under ``<cell dir>/wandb/`` (sync it later with ``wandb sync``); ``onlin
 checked before any model loads. The results files stay the source of truth: a tracking failure is
 logged and the cell goes on without it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,17 @@ from urllib.parse import urlparse
 log = logging.getLogger("kvbench")
 
 MODES = ("online", "offline", "disabled")
-TABLE_COLUMNS = ("example_id", "status", "score", "budget_achieved", "kv_resident_bytes", "ttft_s",
-                 "decode_tokens_per_s", "prediction", "error")
+TABLE_COLUMNS = (
+    "example_id",
+    "status",
+    "score",
+    "budget_achieved",
+    "kv_resident_bytes",
+    "ttft_s",
+    "decode_tokens_per_s",
+    "prediction",
+    "error",
+)
 INIT_TIMEOUT_S = 60
 
 
@@ -44,8 +54,10 @@ def check_credentials(mode: str) -> str | None:
     if mode not in MODES:
         return f"tracking.wandb.mode={mode!r} is unknown; choose one of {', '.join(MODES)}"
     if mode == "online" and not has_credentials():
-        return ("tracking.wandb.mode=online needs credentials: run `wandb login` or set WANDB_API_KEY, "
-                "or use tracking.wandb.mode=offline (then `wandb sync` the run later)")
+        return (
+            "tracking.wandb.mode=online needs credentials: run `wandb login` or set WANDB_API_KEY, "
+            "or use tracking.wandb.mode=offline (then `wandb sync` the run later)"
+        )
     return None
 
 
@@ -70,15 +82,23 @@ def wandb_settings() -> Any:
     """No console capture (it fights Hydra's logging), no prompts, bounded waits."""
     import wandb
 
-    return wandb.Settings(console="off", silent=True, init_timeout=INIT_TIMEOUT_S, disable_job_creation=True,
-                          save_code=False)
+    return wandb.Settings(
+        console="off", silent=True, init_timeout=INIT_TIMEOUT_S, disable_job_creation=True, save_code=False
+    )
 
 
 class Tracker:
     """No-op when disabled, so the runner never branches on it."""
 
-    def __init__(self, settings: dict[str, Any], run_name: str, run_dir: Path, config: dict[str, Any], group: str,
-                 tags: list[str] | None = None):
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        run_name: str,
+        run_dir: Path,
+        config: dict[str, Any],
+        group: str,
+        tags: list[str] | None = None,
+    ):
         self.run = None
         mode = settings.get("mode", "disabled")
         if mode == "disabled":
@@ -128,8 +148,9 @@ class Tracker:
 
             data = [[_cell(row.get(c)) for c in TABLE_COLUMNS] for row in rows]
             self.run.log({"examples": wandb.Table(columns=list(TABLE_COLUMNS), data=data)})
-            self.run.summary.update({k: v for k, v in summary.items()
-                                     if isinstance(v, (int, float, str)) and not isinstance(v, bool)})
+            self.run.summary.update(
+                {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+            )
         except Exception as err:
             log.warning("wandb summary failed: %s", err)
         finally:

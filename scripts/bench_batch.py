@@ -13,14 +13,16 @@ spell of the machine lands on all of them alike; a figure is the median over ``-
   then ``kvbench.capacity.largest_batch`` finds each policy's largest batch under it (budget 0.25, stage both),
   and its decode tokens/s there is measured against ``full``'s at 4.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -39,8 +41,13 @@ CAPACITY = ["window", "h2o", "roco"]
 
 def prompts(vocab: int, n: int, count: int, new: int) -> list[Request]:
     g = torch.Generator().manual_seed(n)
-    return [Request(torch.randint(100, min(vocab, 20000), (n,), generator=g).tolist(),
-                    settings=DecodeSettings(max_new_tokens=new)) for _ in range(count)]
+    return [
+        Request(
+            torch.randint(100, min(vocab, 20000), (n,), generator=g).tolist(),
+            settings=DecodeSettings(max_new_tokens=new),
+        )
+        for _ in range(count)
+    ]
 
 
 def kvbench_step(model: Any, reqs: list[Request], name: str, budget: float, stage: str) -> float:
@@ -67,7 +74,7 @@ def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, 
     out: dict[str, list[float]] = {k: [] for k in runs}
     labels = list(runs)
     for r in range(rounds):
-        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+        for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
             out[label].append(runs[label]())
             print(f"  {label}: {out[label][-1] * 1e3:.1f} ms/step", flush=True)
     return {k: statistics.median(v) for k, v in out.items()}
@@ -89,21 +96,38 @@ def main() -> None:
     model.generation_config.pad_token_id = 0
     vocab, b = model.config.vocab_size, args.batch
     one, many = prompts(vocab, args.context, 1, args.new_tokens), prompts(vocab, args.context, b, args.new_tokens)
-    report: dict[str, Any] = {"model": args.model, "context": args.context, "new_tokens": args.new_tokens,
-                              "batch": b, "budget": args.budget, "rounds": args.rounds,
-                              "threads": torch.get_num_threads(), "device": str(lm.device)}
+    report: dict[str, Any] = {
+        "model": args.model,
+        "context": args.context,
+        "new_tokens": args.new_tokens,
+        "batch": b,
+        "budget": args.budget,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "device": str(lm.device),
+    }
     print("throughput", flush=True)
-    steps = interleaved({
-        "kvbench full B=1": lambda: kvbench_step(model, one, "full", 1.0, "both"),
-        f"kvbench full B={b}": lambda: kvbench_step(model, many, "full", 1.0, "both"),
-        "generate B=1": lambda: generate_step(model, one, args.new_tokens),
-        f"generate B={b}": lambda: generate_step(model, many, args.new_tokens),
-    }, args.rounds)
+    steps = interleaved(
+        {
+            "kvbench full B=1": lambda: kvbench_step(model, one, "full", 1.0, "both"),
+            f"kvbench full B={b}": lambda: kvbench_step(model, many, "full", 1.0, "both"),
+            "generate B=1": lambda: generate_step(model, one, args.new_tokens),
+            f"generate B={b}": lambda: generate_step(model, many, args.new_tokens),
+        },
+        args.rounds,
+    )
     report["throughput_tokens_per_s"] = {k: (b if f"B={b}" in k else 1) / v for k, v in steps.items()}
     print("per-step cost at batch", b, flush=True)
-    report["step_ms"] = {k: v * 1e3 for k, v in interleaved(
-        {name: (lambda name=name: kvbench_step(model, many, name, args.budget, "both")) for name in ["window"] + STATS},
-        args.rounds).items()}
+    report["step_ms"] = {
+        k: v * 1e3
+        for k, v in interleaved(
+            {
+                name: (lambda name=name: kvbench_step(model, many, name, args.budget, "both"))
+                for name in ["window"] + STATS
+            },
+            args.rounds,
+        ).items()
+    }
     print("capacity", flush=True)
     reqs = prompts(vocab, args.context, 4, args.new_tokens)
     sizes = {n: probe(model, reqs, policy("full"), 1.0, "both", n, 1 << 62).peak_memory_bytes for n in (4, 5)}
@@ -111,16 +135,28 @@ def main() -> None:
     report["capacity"] = {"cap_bytes": cap, "cap_gib": cap / GIB, "full_peak_bytes": sizes, "policies": {}}
     for name in ["full"] + CAPACITY:
         budget = 1.0 if name == "full" else args.budget
-        best, probes = largest_batch(lambda n: probe(model, reqs, policy(name), budget, "both", n, cap))
+        best, probes = largest_batch(
+            lambda n, name=name, budget=budget: probe(model, reqs, policy(name), budget, "both", n, cap)
+        )
         report["capacity"]["policies"][name] = {"max_batch": best, "probes": [p.row() for p in probes]}
         print(f"  {name}: max batch {best}", flush=True)
-    at = {name: (lambda name=name: kvbench_step(model, [reqs[i % 4] for i in range(
-        report["capacity"]["policies"][name]["max_batch"])], name, 1.0 if name == "full" else args.budget, "both"))
-        for name in ["full"] + CAPACITY}
+    at = {
+        name: (
+            lambda name=name: kvbench_step(
+                model,
+                [reqs[i % 4] for i in range(report["capacity"]["policies"][name]["max_batch"])],
+                name,
+                1.0 if name == "full" else args.budget,
+                "both",
+            )
+        )
+        for name in ["full"] + CAPACITY
+    }
     at_steps = interleaved(at, args.rounds)
     for name, step in at_steps.items():
         report["capacity"]["policies"][name]["decode_tokens_per_s"] = (
-            report["capacity"]["policies"][name]["max_batch"] / step)
+            report["capacity"]["policies"][name]["max_batch"] / step
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"bench_batch_{args.model}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
@@ -131,7 +167,10 @@ def main() -> None:
 def markdown(report: dict[str, Any]) -> str:
     b = report["batch"]
     tps = report["throughput_tokens_per_s"]
-    lines = ["| decode tokens/s | kvbench full | transformers generate | kvbench / generate |", "| --- | --- | --- | --- |"]
+    lines = [
+        "| decode tokens/s | kvbench full | transformers generate | kvbench / generate |",
+        "| --- | --- | --- | --- |",
+    ]
     for n in (1, b):
         ours, theirs = tps[f"kvbench full B={n}"], tps[f"generate B={n}"]
         lines.append(f"| batch {n} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
@@ -141,11 +180,17 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"| {k} | {v:.1f} | {v / steps['window']:.2f} |" for k, v in steps.items()]
     cap = report["capacity"]
     full = cap["policies"]["full"]
-    lines += [f"\nMemory cap {cap['cap_gib'] * 1024:.0f} MiB ({'device' if 'cuda' in report['device'] else 'KV + working, CPU RSS'})\n",
-              "| policy | max batch | × full | decode tokens/s there | × full |", "| --- | --- | --- | --- | --- |"]
+    measured = "device" if "cuda" in report["device"] else "KV + working, CPU RSS"
+    lines += [
+        f"\nMemory cap {cap['cap_gib'] * 1024:.0f} MiB ({measured})\n",
+        "| policy | max batch | × full | decode tokens/s there | × full |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, p in cap["policies"].items():
-        lines.append(f"| {name} | {p['max_batch']} | {p['max_batch'] / full['max_batch']:.2f} | "
-                     f"{p['decode_tokens_per_s']:.1f} | {p['decode_tokens_per_s'] / full['decode_tokens_per_s']:.2f} |")
+        lines.append(
+            f"| {name} | {p['max_batch']} | {p['max_batch'] / full['max_batch']:.2f} | "
+            f"{p['decode_tokens_per_s']:.1f} | {p['decode_tokens_per_s'] / full['decode_tokens_per_s']:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ so that a slow spell of a shared machine lands on all of them alike (the growth 
 policy at every context in one set); a figure is the median of a run's ``--new-tokens`` steps over
 ``--repeats`` such rounds. CPU here, CUDA when present.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import torch
@@ -38,12 +40,15 @@ from kvbench.models import LoadedModel, load_model
 from kvbench.policies.registry import build_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill_bench import POLICIES as PREFILL_POLICIES, prefill_markdown, prefill_table  # noqa: E402
+from prefill_bench import POLICIES as PREFILL_POLICIES  # noqa: E402
+from prefill_bench import prefill_markdown, prefill_table
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-MODELS = {"smollm2-135m": {"source": "embedded", "embedded": "smollm2"},
-          "gemma3-270m": {"source": "embedded", "embedded": "gemma3-270m"},
-          "tiny-llama": {"source": "tiny"}}
+MODELS = {
+    "smollm2-135m": {"source": "embedded", "embedded": "smollm2"},
+    "gemma3-270m": {"source": "embedded", "embedded": "gemma3-270m"},
+    "tiny-llama": {"source": "tiny"},
+}
 STATISTICS_POLICIES = ["h2o", "scissorhands", "tova", "roco", "snapkv", "vatp", "mean_window", "accumulated_robust"]
 
 
@@ -102,17 +107,26 @@ def hf_generate_times(lm: LoadedModel, ids: list[int], new_tokens: int) -> tuple
     return prefill, (total - prefill) / (new_tokens - 1)
 
 
-def kvbench_times(lm: LoadedModel, ids: list[int], name: str, budget: float | int, stage: str, new_tokens: int,
-                  stride: int | None = None) -> tuple[float, float]:
+def kvbench_times(
+    lm: LoadedModel,
+    ids: list[int],
+    name: str,
+    budget: float | int,
+    stage: str,
+    new_tokens: int,
+    stride: int | None = None,
+) -> tuple[float, float]:
     """(prefill seconds, median decode seconds per token) of one kvbench generation."""
     lm.model.generation_config.eos_token_id = None  # with no tokenizer either: exactly new_tokens
-    g = generate(lm.model, None, ids, policy(name), budget, stage, DecodeSettings(max_new_tokens=new_tokens),
-                 stride=stride)
+    g = generate(
+        lm.model, None, ids, policy(name), budget, stage, DecodeSettings(max_new_tokens=new_tokens), stride=stride
+    )
     return g.prefill_s, statistics.median(g.decode_latencies_s)
 
 
-def interleaved_step_ms(lm: LoadedModel, runs: dict[Any, tuple[str, float | int, str, list[int]]],
-                        args: argparse.Namespace) -> dict[Any, float]:
+def interleaved_step_ms(
+    lm: LoadedModel, runs: dict[Any, tuple[str, float | int, str, list[int]]], args: argparse.Namespace
+) -> dict[Any, float]:
     """Per label (label -> (policy, budget, stage, prompt ids)), the median decode step in ms. In each of
     ``--repeats`` rounds every run encodes its prompt, then the runs decode one token each in turn, the order
     rotating every step: what a disturbance of the machine costs, it costs every run alike."""
@@ -129,7 +143,7 @@ def interleaved_step_ms(lm: LoadedModel, runs: dict[Any, tuple[str, float | int,
                 if not live:
                     break
                 labels = list(live)
-                for label in labels[step % len(labels):] + labels[: step % len(labels)]:
+                for label in labels[step % len(labels) :] + labels[: step % len(labels)]:
                     try:
                         next(live[label])
                     except StopIteration as done:
@@ -165,9 +179,11 @@ def peak_rss_during(fn: Callable[[], Any]) -> int:
 
 def prefill_peak(lm: LoadedModel, ids: list[int], name: str, stride: int | None) -> int:
     """Peak memory of one prefill (budget 512) above what was allocated before it."""
+
     def run() -> None:
-        generate(lm.model, lm.tokenizer, ids, policy(name), 512, "prefill", DecodeSettings(max_new_tokens=1),
-                 stride=stride)
+        generate(
+            lm.model, lm.tokenizer, ids, policy(name), 512, "prefill", DecodeSettings(max_new_tokens=1), stride=stride
+        )
 
     if lm.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -207,8 +223,11 @@ def main() -> None:
     ap.add_argument("--memory-repeats", type=int, default=2)
     ap.add_argument("--stride", type=int, default=1024, help="prefill chunk for the fixed-budget runs")
     ap.add_argument("--out", default="results/bench_engine")
-    ap.add_argument("--render", metavar="JSON", help="only print the tables of a saved bench_engine.json or "
-                    "bench_prefill_<model>.json")
+    ap.add_argument(
+        "--render",
+        metavar="JSON",
+        help="only print the tables of a saved bench_engine.json or bench_prefill_<model>.json",
+    )
     ap.add_argument("--prefill", action="store_true", help="only the prefill table (prefill_bench.py)")
     ap.add_argument("--prefill-contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--strides", type=int, nargs="+", default=[0, 1024], help="prefill chunks; 0: one chunk")
@@ -224,8 +243,15 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.prefill:
-        table = prefill_table(lm, policy, lambda n: prompt_ids(lm, n), args.prefill_contexts, args.strides,
-                              args.prefill_repeats, available(args.prefill_policies))
+        table = prefill_table(
+            lm,
+            policy,
+            lambda n: prompt_ids(lm, n),
+            args.prefill_contexts,
+            args.strides,
+            args.prefill_repeats,
+            available(args.prefill_policies),
+        )
         table |= {"device": str(lm.device), "dtype": str(lm.dtype), "threads": torch.get_num_threads()}
         (out / f"bench_prefill_{args.model}.json").write_text(json.dumps(table, indent=2))
         print(prefill_markdown(table, f"{args.model} on {lm.device} ({lm.dtype}, {torch.get_num_threads()} threads)"))
@@ -235,8 +261,10 @@ def main() -> None:
     bandwidth = read_bandwidth(lm.device)
     floor_s = weight_bytes(lm.model) / bandwidth
     report.update(bandwidth_gb_s=bandwidth / 1e9, weight_mb=weight_bytes(lm.model) / 1e6, floor_ms=floor_s * 1e3)
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, weights {weight_bytes(lm.model) / 1e6:.0f} MB, "
-          f"floor {floor_s * 1e3:.2f} ms/token")
+    print(
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s, weights {weight_bytes(lm.model) / 1e6:.0f} MB, "
+        f"floor {floor_s * 1e3:.2f} ms/token"
+    )
 
     ids = prompt_ids(lm, args.overhead_context)
     kvbench_times(lm, ids[:64], "full", 1.0, "prefill", 4)  # warm-up
@@ -248,18 +276,28 @@ def main() -> None:
     hf_prefill, hf_step = statistics.median(p for p, _ in hf), statistics.median(s for _, s in hf)
     kv_prefill, kv_step = statistics.median(p for p, _ in kv), statistics.median(s for _, s in kv)
     report["overhead"] = {
-        "context": args.overhead_context, "hf_prefill_s": hf_prefill, "kvbench_prefill_s": kv_prefill,
-        "hf_decode_ms": hf_step * 1e3, "kvbench_decode_ms": kv_step * 1e3,
-        "prefill_ratio": hf_prefill / kv_prefill, "decode_tokens_per_s_ratio": hf_step / kv_step,
-        "hf_floor_fraction": floor_s / hf_step, "kvbench_floor_fraction": floor_s / kv_step,
+        "context": args.overhead_context,
+        "hf_prefill_s": hf_prefill,
+        "kvbench_prefill_s": kv_prefill,
+        "hf_decode_ms": hf_step * 1e3,
+        "kvbench_decode_ms": kv_step * 1e3,
+        "prefill_ratio": hf_prefill / kv_prefill,
+        "decode_tokens_per_s_ratio": hf_step / kv_step,
+        "hf_floor_fraction": floor_s / hf_step,
+        "kvbench_floor_fraction": floor_s / kv_step,
     }
     print("overhead:", json.dumps(report["overhead"], indent=1))
 
     # Every policy at every context in one interleaved set: a slow spell cannot pass for growth with context.
     growth_names = ["full"] + available(["window", "h2o", "roco"])
     growth: dict[str, dict[int, float]] = {name: {} for name in growth_names}
-    runs = {(name, n): (name, 1.0, "prefill", prompt_ids(lm, n)) if name == "full"
-            else (name, args.budget, "both", prompt_ids(lm, n)) for name in growth_names for n in args.contexts}
+    runs = {
+        (name, n): (name, 1.0, "prefill", prompt_ids(lm, n))
+        if name == "full"
+        else (name, args.budget, "both", prompt_ids(lm, n))
+        for name in growth_names
+        for n in args.contexts
+    }
     for (name, n), ms in interleaved_step_ms(lm, runs, args).items():
         growth[name][n] = ms
         print(f"decode {name:>12} @ {n:>5}: {ms:.2f} ms/token")
@@ -267,13 +305,16 @@ def main() -> None:
 
     ctx = prompt_ids(lm, args.policy_context)
     names = ["window"] + available(STATISTICS_POLICIES + ["streamingllm", "random", "knorm", "pyramidkv", "adakv"])
-    runs = {"full": ("full", 1.0, "prefill", ctx)} | {name: (name, args.budget * 2, "both", ctx)
-                                                      for name in dict.fromkeys(names)}
+    runs = {"full": ("full", 1.0, "prefill", ctx)} | {
+        name: (name, args.budget * 2, "both", ctx) for name in dict.fromkeys(names)
+    }
     # Policies that only compress the prompt as published (SnapKV's observation window and its family):
     # also their decode steps in that use, holding the compressed prompt plus the new tokens, against
     # window in the same use.
-    runs |= {f"{name} (prefill)": (name, args.budget * 2, "prefill", ctx)
-             for name in ["window"] + available(["snapkv", "pyramidkv", "adakv"])}
+    runs |= {
+        f"{name} (prefill)": (name, args.budget * 2, "prefill", ctx)
+        for name in ["window"] + available(["snapkv", "pyramidkv", "adakv"])
+    }
     per_policy = interleaved_step_ms(lm, runs, args)
     report["policy_ms"] = per_policy
     report["policy_vs_window"] = {k: v / per_policy[baseline(k)] for k, v in per_policy.items()}
@@ -284,8 +325,10 @@ def main() -> None:
     for name in ["full"] + available(["h2o", "roco", "snapkv"]):
         # RSS also holds what the allocator kept from freed blocks, which varies from process to process;
         # the least of ``--memory-repeats`` fresh processes is the closest to what the prefill needed.
-        memory[name] = {n: min(prefill_peak_isolated(args.model, n, name, None) for _ in range(args.memory_repeats))
-                        for n in args.memory_contexts}
+        memory[name] = {
+            n: min(prefill_peak_isolated(args.model, n, name, None) for _ in range(args.memory_repeats))
+            for n in args.memory_contexts
+        }
         print(f"prefill peak {name:>8}:", {n: f"{b / 1e6:.0f} MB" for n, b in memory[name].items()})
     report["prefill_peak_bytes"] = memory
 
@@ -322,8 +365,10 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         "| measure | transformers generate | kvbench full | ratio |",
         "| --- | --- | --- | --- |",
-        f"| prefill s @ {o['context']} | {o['hf_prefill_s']:.3f} | {o['kvbench_prefill_s']:.3f} | {o['prefill_ratio']:.2f} |",
-        f"| decode ms/token | {o['hf_decode_ms']:.2f} | {o['kvbench_decode_ms']:.2f} | {o['decode_tokens_per_s_ratio']:.2f} |",
+        f"| prefill s @ {o['context']} | {o['hf_prefill_s']:.3f} | {o['kvbench_prefill_s']:.3f} "
+        f"| {o['prefill_ratio']:.2f} |",
+        f"| decode ms/token | {o['hf_decode_ms']:.2f} | {o['kvbench_decode_ms']:.2f} "
+        f"| {o['decode_tokens_per_s_ratio']:.2f} |",
         f"| fraction of bandwidth floor | {o['hf_floor_fraction']:.2f} | {o['kvbench_floor_fraction']:.2f} | |",
         "",
         "| decode ms/token | " + " | ".join(str(c) for c in next(iter(r["growth_ms"].values()))) + " | growth |",
@@ -331,13 +376,19 @@ def markdown(r: dict[str, Any]) -> str:
     ]
     for name, pts in r["growth_ms"].items():
         xs = sorted(pts)
-        lines.append(f"| {name} | " + " | ".join(f"{pts[x]:.2f}" for x in xs) + f" | {pts[xs[-1]] / pts[xs[0]] - 1:+.0%} |")
+        lines.append(
+            f"| {name} | " + " | ".join(f"{pts[x]:.2f}" for x in xs) + f" | {pts[xs[-1]] / pts[xs[0]] - 1:+.0%} |"
+        )
     lines += ["", "| policy @ context | ms/token | × window | fraction of floor |", "| --- | --- | --- | --- |"]
     for name, ms in r["policy_ms"].items():
         lines.append(f"| {name} | {ms:.2f} | {r['policy_vs_window'][name]:.2f} | {r['floor_ms'] / ms:.2f} |")
-    lines += ["", "| prefill peak above baseline | " + " | ".join(
-        str(c) for c in next(iter(r["prefill_peak_bytes"].values()))) + " |",
-        "| --- |" + " --- |" * len(next(iter(r["prefill_peak_bytes"].values())))]
+    lines += [
+        "",
+        "| prefill peak above baseline | "
+        + " | ".join(str(c) for c in next(iter(r["prefill_peak_bytes"].values())))
+        + " |",
+        "| --- |" + " --- |" * len(next(iter(r["prefill_peak_bytes"].values()))),
+    ]
     for name, pts in r["prefill_peak_bytes"].items():
         lines.append(f"| {name} | " + " | ".join(f"{b / 1e6:.0f} MB" for b in pts.values()) + " |")
     return "\n".join(lines)

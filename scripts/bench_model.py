@@ -8,6 +8,7 @@ The overhead comparison alternates whole runs of ``generate`` and of kvbench's f
 slow spell of a shared machine lands on all of them alike. Prefill per policy: ``bench_engine.py --prefill``.
 CPU here, CUDA when present.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,26 +47,40 @@ def main() -> None:
         hf.append(hf_generate_times(lm, ids, args.new_tokens))
         kv.append(kvbench_times(lm, ids, "full", 1.0, "prefill", args.new_tokens))
     report = {
-        "model": args.model, "device": str(lm.device), "dtype": str(lm.dtype), "context": args.context,
+        "model": args.model,
+        "device": str(lm.device),
+        "dtype": str(lm.dtype),
+        "context": args.context,
         "hf_attention": lm.model.config._attn_implementation,
-        "hf_prefill_s": statistics.median(p for p, _ in hf), "kvbench_prefill_s": statistics.median(p for p, _ in kv),
+        "hf_prefill_s": statistics.median(p for p, _ in hf),
+        "kvbench_prefill_s": statistics.median(p for p, _ in kv),
         "hf_decode_ms": 1e3 * statistics.median(s for _, s in hf),
         "kvbench_decode_ms": 1e3 * statistics.median(s for _, s in kv),
     }
     print(json.dumps(report, indent=1))
 
     runs = {"full": ("full", 1.0, "prefill", ids)}
-    runs |= {name: (name, args.budget, "both", ids) for name in available(POLICIES) if name not in ("snapkv", "pyramidkv", "adakv")}
+    runs |= {
+        name: (name, args.budget, "both", ids)
+        for name in available(POLICIES)
+        if name not in ("snapkv", "pyramidkv", "adakv")
+    }
     runs |= {f"{name} (prefill)": (name, args.budget, "prefill", ids) for name in available(POLICIES)}
     per_policy = interleaved_step_ms(lm, runs, args)
     report["policy_ms"] = per_policy
-    lines = [f"{args.model} on {report['device']} ({report['dtype']}), {args.context}-token prompt",
-             "", "| | transformers generate | kvbench full | ratio |", "| --- | --- | --- | --- |",
-             f"| prefill s | {report['hf_prefill_s']:.3f} | {report['kvbench_prefill_s']:.3f} | "
-             f"{report['hf_prefill_s'] / report['kvbench_prefill_s']:.2f} |",
-             f"| decode ms/token | {report['hf_decode_ms']:.2f} | {report['kvbench_decode_ms']:.2f} | "
-             f"{report['hf_decode_ms'] / report['kvbench_decode_ms']:.2f} |",
-             "", f"| policy (budget {args.budget}) | decode ms/token |", "| --- | --- |"]
+    lines = [
+        f"{args.model} on {report['device']} ({report['dtype']}), {args.context}-token prompt",
+        "",
+        "| | transformers generate | kvbench full | ratio |",
+        "| --- | --- | --- | --- |",
+        f"| prefill s | {report['hf_prefill_s']:.3f} | {report['kvbench_prefill_s']:.3f} | "
+        f"{report['hf_prefill_s'] / report['kvbench_prefill_s']:.2f} |",
+        f"| decode ms/token | {report['hf_decode_ms']:.2f} | {report['kvbench_decode_ms']:.2f} | "
+        f"{report['hf_decode_ms'] / report['kvbench_decode_ms']:.2f} |",
+        "",
+        f"| policy (budget {args.budget}) | decode ms/token |",
+        "| --- | --- |",
+    ]
     lines += [f"| {name} | {ms:.2f} |" for name, ms in per_policy.items()]
     (out / f"bench_model_{args.model}.json").write_text(json.dumps(report, indent=2))
     print("\n".join(lines))

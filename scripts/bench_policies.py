@@ -11,6 +11,7 @@ holds it while decoding, evicting at every step, so the time includes the policy
 selection; policies that cannot run in a stage are run in ``both`` and marked. Resident KV bytes come
 from the cache's tensors at the end of the run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,17 @@ def named_policies(names: list[str] | None) -> dict[str, dict]:
 def time_cell(lm, policy, ids, forced, budget, stage, stride, repeats: int) -> dict:
     def once():
         t0 = time.perf_counter()
-        g = generate(lm.model, lm.tokenizer, ids, policy, budget, stage, DecodeSettings(max_new_tokens=len(forced)),
-                     stride=stride, forced_tokens=forced)
+        g = generate(
+            lm.model,
+            lm.tokenizer,
+            ids,
+            policy,
+            budget,
+            stage,
+            DecodeSettings(max_new_tokens=len(forced)),
+            stride=stride,
+            forced_tokens=forced,
+        )
         return g, time.perf_counter() - t0
 
     once()  # warm-up
@@ -80,15 +90,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     budget = int(args.budget) if args.budget > 1 else args.budget
-    lm = load_model(args.model, source="embedded" if args.model == "smollm2-135m" else "pretrained",
-                    name_or_path=None if args.model == "smollm2-135m" else args.model,
-                    dtype=args.dtype, device=args.device)
+    lm = load_model(
+        args.model,
+        source="embedded" if args.model == "smollm2-135m" else "pretrained",
+        name_or_path=None if args.model == "smollm2-135m" else args.model,
+        dtype=args.dtype,
+        device=args.device,
+    )
     policies = named_policies(args.policies)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = lm.model.config.vocab_size
-    print(f"model={args.model} device={lm.device} dtype={lm.dtype} threads={torch.get_num_threads()} "
-          f"stage={args.stage} budget={args.budget} steps={args.steps} repeats={args.repeats} (+1 warm-up)")
-    header = f"{'policy':<20}{'context':>8}{'ms/step':>10}{'±':>7}{'vs window':>11}{'vs full':>9}{'prefill s':>11}{'KV KiB':>10}"
+    print(
+        f"model={args.model} device={lm.device} dtype={lm.dtype} threads={torch.get_num_threads()} "
+        f"stage={args.stage} budget={args.budget} steps={args.steps} repeats={args.repeats} (+1 warm-up)"
+    )
+    header = (
+        f"{'policy':<20}{'context':>8}{'ms/step':>10}{'±':>7}{'vs window':>11}{'vs full':>9}"
+        f"{'prefill s':>11}{'KV KiB':>10}"
+    )
     for context in args.contexts:
         ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
         forced = torch.randint(0, vocab, (args.steps + 1,), generator=gen).tolist()
@@ -104,11 +123,15 @@ def main(argv: list[str] | None = None) -> None:
             if "full" in cells and "window" in cells:  # both references are in: print what is ready
                 for ready in [n for n in cells if n not in printed]:
                     cell = cells[ready]
-                    print(f"{ready:<20}{context:>8}{cell['step_ms']:>10.2f}{cell['step_ms_spread']:>7.2f}"
-                          f"{cell['step_ms'] / cells['window']['step_ms']:>10.2f}x"
-                          f"{cell['step_ms'] / cells['full']['step_ms']:>8.2f}x"
-                          f"{cell['prefill_s']:>11.3f}{cell['resident_kib']:>10.0f}{cell['note']}", flush=True)
+                    print(
+                        f"{ready:<20}{context:>8}{cell['step_ms']:>10.2f}{cell['step_ms_spread']:>7.2f}"
+                        f"{cell['step_ms'] / cells['window']['step_ms']:>10.2f}x"
+                        f"{cell['step_ms'] / cells['full']['step_ms']:>8.2f}x"
+                        f"{cell['prefill_s']:>11.3f}{cell['resident_kib']:>10.0f}{cell['note']}",
+                        flush=True,
+                    )
                     printed.append(ready)
+
 
 if __name__ == "__main__":
     main()

@@ -8,19 +8,29 @@ before; on CPU the peak resident set above the level before the run, sampled eve
 allocator has handed every freed page back to the system (``malloc_trim``), so that memory an earlier run freed
 but kept cannot hide a later run's peak.
 """
+
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-import torch
-
 from kvbench.engine.generate import DecodeSettings, generate
 from kvbench.engine.measure import PeakMemory
 from kvbench.models import LoadedModel
 
-POLICIES = ["full", "h2o", "scissorhands", "roco", "mean_window", "accumulated_robust", "vatp",
-            "tova", "snapkv", "pyramidkv", "adakv"]
+POLICIES = [
+    "full",
+    "h2o",
+    "scissorhands",
+    "roco",
+    "mean_window",
+    "accumulated_robust",
+    "vatp",
+    "tova",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+]
 BUDGET = 0.25
 
 
@@ -31,8 +41,15 @@ def prefill_run(lm: LoadedModel, ids: list[int], policy: Any, stride: int | None
     return g.prefill_s, memory.peak
 
 
-def prefill_table(lm: LoadedModel, policy_of: Any, prompt_of: Any, contexts: list[int], strides: list[int],
-                  repeats: int, names: list[str]) -> dict[str, Any]:
+def prefill_table(
+    lm: LoadedModel,
+    policy_of: Any,
+    prompt_of: Any,
+    contexts: list[int],
+    strides: list[int],
+    repeats: int,
+    names: list[str],
+) -> dict[str, Any]:
     """{chunking: {context: {policy: {"s", "x_full", "peak_mb"}}}}; ``policy_of(name)`` builds a policy,
     ``prompt_of(n)`` gives an n-token prompt; stride 0 is one chunk."""
     lm.model.generation_config.eos_token_id = None
@@ -47,15 +64,19 @@ def prefill_table(lm: LoadedModel, policy_of: Any, prompt_of: Any, contexts: lis
             ids = prompt_of(n)
             runs: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
             for round_ in range(repeats):
-                for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+                for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                     runs[name].append(prefill_run(lm, ids, policy_of(name), stride or None))
                     s, peak = runs[name][-1]
                     print(f"prefill {chunking} @ {n}: {name:>18} {s:7.2f} s, peak {peak / 2**20:7.0f} MiB", flush=True)
             full = statistics.median(s for s, _ in runs["full"])
-            table[chunking][n] = {name: {"s": statistics.median(s for s, _ in r),
-                                         "x_full": statistics.median(s for s, _ in r) / full,
-                                         "peak_mb": statistics.median(p for _, p in r) / 2**20}
-                                  for name, r in runs.items()}
+            table[chunking][n] = {
+                name: {
+                    "s": statistics.median(s for s, _ in r),
+                    "x_full": statistics.median(s for s, _ in r) / full,
+                    "peak_mb": statistics.median(p for _, p in r) / 2**20,
+                }
+                for name, r in runs.items()
+            }
     return table
 
 
@@ -66,12 +87,18 @@ def prefill_markdown(table: dict[str, Any], model: str) -> str:
         if not chunking.startswith(("one chunk", "chunks of")):
             continue
         contexts = list(per_context)
-        lines += ["", f"{model}, prefill {chunking}, budget {table['budget']}: seconds (× full), peak MiB above "
-                      "baseline", "",
-                  "| policy | " + " | ".join(f"{n} tokens" for n in contexts) + " |",
-                  "| --- |" + " --- |" * len(contexts)]
+        lines += [
+            "",
+            f"{model}, prefill {chunking}, budget {table['budget']}: seconds (× full), peak MiB above baseline",
+            "",
+            "| policy | " + " | ".join(f"{n} tokens" for n in contexts) + " |",
+            "| --- |" + " --- |" * len(contexts),
+        ]
         for name in per_context[contexts[0]]:
             cells = [per_context[n][name] for n in contexts]
-            lines.append(f"| {name} | " + " | ".join(f"{c['s']:.2f} ({c['x_full']:.2f}), {c['peak_mb']:.0f} MiB"
-                                                     for c in cells) + " |")
+            lines.append(
+                f"| {name} | "
+                + " | ".join(f"{c['s']:.2f} ({c['x_full']:.2f}), {c['peak_mb']:.0f} MiB" for c in cells)
+                + " |"
+            )
     return "\n".join(lines)

@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny random Llama for fast exact checks, SmolLM2 and Gemma 3 270M for the real-model ones."""
+
 from __future__ import annotations
 
 import os
@@ -52,3 +53,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test on a real model (SmolLM2, Gemma 3 270M) is ``slow``; ``gpu`` tests are skipped where torch sees no
+    CUDA, with the reason."""
+    skip = pytest.mark.skip(reason="needs CUDA; torch sees no GPU here")
+    for item in items:
+        if {"smollm", "gemma"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip)

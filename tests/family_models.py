@@ -1,6 +1,7 @@
 """Tiny random models of many transformers families, and a reference for kvbench's kept sets that shares no
 code with kvbench: the family's own eager attention over transformers' own cache, with the kept set as a mask.
 """
+
 from __future__ import annotations
 
 import sys
@@ -13,8 +14,15 @@ import transformers as tf
 
 WINDOW = 6  # shorter than every test prompt
 VOCAB = 300
-_LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+_LLAMA_LIKE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 _GEMMA = dict(_LLAMA_LIKE, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW)
 
 # name: (config class, model class, config options). GQA wherever the family has it; windows < the prompt.
@@ -22,28 +30,67 @@ FAMILIES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, _LLAMA_LIKE),
     "mistral-window": (tf.MistralConfig, tf.MistralForCausalLM, dict(_LLAMA_LIKE, sliding_window=WINDOW)),
     "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, _LLAMA_LIKE),
-    "qwen2-window": (tf.Qwen2Config, tf.Qwen2ForCausalLM,
-                     dict(_LLAMA_LIKE, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
-                          max_window_layers=1)),
+    "qwen2-window": (
+        tf.Qwen2Config,
+        tf.Qwen2ForCausalLM,
+        dict(_LLAMA_LIKE, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(_LLAMA_LIKE, head_dim=16)),
-    "gemma2-softcap": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
-                       dict(_GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
-               dict(_GEMMA, num_hidden_layers=3, num_key_value_heads=1,
-                    layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "gemma2-softcap": (
+        tf.Gemma2Config,
+        tf.Gemma2ForCausalLM,
+        dict(_GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    ),
+    "gemma3": (
+        tf.Gemma3TextConfig,
+        tf.Gemma3ForCausalLM,
+        dict(
+            _GEMMA,
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
     "phi3-window": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(_LLAMA_LIKE, sliding_window=WINDOW, pad_token_id=0)),
     "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, dict(_LLAMA_LIKE, sliding_window=WINDOW)),
     "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, _LLAMA_LIKE),
-    "gpt-neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
-                 dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, max_position_embeddings=512, rotary_pct=0.5)),
+    "gpt-neox": (
+        tf.GPTNeoXConfig,
+        tf.GPTNeoXForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            rotary_pct=0.5,
+        ),
+    ),
     "cohere": (tf.CohereConfig, tf.CohereForCausalLM, _LLAMA_LIKE),
-    "gptj": (tf.GPTJConfig, tf.GPTJForCausalLM,
-             dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8)),
-    "opt": (tf.OPTConfig, tf.OPTForCausalLM,
-            dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
-                 max_position_embeddings=512, word_embed_proj_dim=64)),
-    "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512)),
+    "gptj": (
+        tf.GPTJConfig,
+        tf.GPTJForCausalLM,
+        dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8),
+    ),
+    "opt": (
+        tf.OPTConfig,
+        tf.OPTForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            ffn_dim=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            word_embed_proj_dim=64,
+        ),
+    ),
+    "gpt2": (
+        tf.GPT2Config,
+        tf.GPT2LMHeadModel,
+        dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    ),
 }
 # Families whose attention does not go through transformers' attention interface: refused from the config.
 REFUSED: dict[str, tuple[type, dict[str, Any]]] = {
@@ -71,9 +118,10 @@ def build(name: str) -> Any:
 
 
 def family_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    return out.sequences[0, len(ids):].tolist(), torch.stack(out.logits)[:, 0].float()
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    return out.sequences[0, len(ids) :].tolist(), torch.stack(out.logits)[:, 0].float()
 
 
 @contextmanager
@@ -86,8 +134,9 @@ def kept_set_masks(model: Any, trace: list[list[torch.Tensor]], steps: list[tupl
     family_eager = module.eager_attention_forward
     step = {"i": 0}
 
-    def masked(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-               **kwargs: Any) -> Any:
+    def masked(
+        attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any
+    ) -> Any:
         i = step["i"]
         if i > 0:
             start, end = steps[i]
@@ -109,8 +158,9 @@ def kept_set_masks(model: Any, trace: list[list[torch.Tensor]], steps: list[tupl
 
 
 @torch.inference_mode()
-def eager_replay(model: Any, ids: list[int], tokens: list[int], trace: list[list[torch.Tensor]] | None,
-                 stride: int | None) -> torch.Tensor:
+def eager_replay(
+    model: Any, ids: list[int], tokens: list[int], trace: list[list[torch.Tensor]] | None, stride: int | None
+) -> torch.Tensor:
     """The family's logits at each of kvbench's forwards (prompt chunks, then one token each), with transformers'
     own cache and eager attention; ``trace`` masks each forward down to what kvbench held (None: no mask)."""
     chunk = stride or len(ids)
@@ -122,8 +172,12 @@ def eager_replay(model: Any, ids: list[int], tokens: list[int], trace: list[list
     with kept_set_masks(model, trace or [], steps if trace else []) as step:
         for i, (start, end) in enumerate(steps):
             step["i"] = i if trace else 0
-            out = model(input_ids=torch.tensor([sequence[start:end]]), position_ids=torch.arange(start, end)[None],
-                        past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=torch.tensor([sequence[start:end]]),
+                position_ids=torch.arange(start, end)[None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             cache = out.past_key_values
             if end >= len(ids):
                 logits.append(out.logits[0, -1].float())

@@ -5,16 +5,18 @@ the layer's sliding window, by absolute position (key k is visible to query q wh
 logit softcapping (``cap · tanh(logit / cap)`` before the mask, Gemma 2); the family's scaling.
 
 A decode step (one query per sequence, several sequences at once) attends over its rows' slots, each row
-masked to what it holds (``CacheLayer.visible``: free slots, masked replay) where needed. One unmasked sequence
-without statistics takes transformers' SDPA; otherwise one batched product per row gives the output and the
-statistics from the same probabilities (also faster than SDPA for several sequences, measured on CPU). A prompt chunk is one sequence's. Where no statistic needs every query,
-its output comes from SDPA with a mask built per layer (causal inside the chunk, every kept past entry visible
-except what the window or ``visible`` hides) and the few rows a policy reads (the last query, an observation
-window) from ``blocked.attention_statistics``; a chunk whose statistics sum over every query, or a softcapped
-one (SDPA cannot softcap), takes its output and statistics from one blocked pass (``engine/blocked.py``). Once
-the output exists the cache folds the statistics in; it evicts after the step's last layer. A policy that needs
-no statistics pays nothing, and once no later step will evict none are computed.
+masked to what it holds (``CacheLayer.visible``: free slots, masked replay) where needed. One unmasked
+sequence without statistics takes transformers' SDPA; otherwise one batched product per row gives the output
+and the statistics from the same probabilities (also faster than SDPA for several sequences, measured on CPU).
+A prompt chunk is one sequence's. Where no statistic needs every query, its output comes from SDPA with a mask
+built per layer (causal inside the chunk, every kept past entry visible except what the window or ``visible``
+hides) and the few rows a policy reads (the last query, an observation window) from
+``blocked.attention_statistics``; a chunk whose statistics sum over every query, or a softcapped one (SDPA
+cannot softcap), takes its output and statistics from one blocked pass (``engine/blocked.py``). Once the
+output exists the cache folds the statistics in; it evicts after the step's last layer. A policy that needs no
+statistics pays nothing, and once no later step will evict none are computed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,10 +39,17 @@ PASSIVE_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "o
 SUMMED_STATS = frozenset({"acc", "sumsq"})
 
 
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                     visible: torch.Tensor | None, needs: frozenset[str], history: int = 0,
-                     window: Window | None = None,
-                     softcap: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    visible: torch.Tensor | None,
+    needs: frozenset[str],
+    history: int = 0,
+    window: Window | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One query per sequence (query [B, heads, 1, D]) over its rows' keys [B, kv_heads, n, D], each row seeing
     what ``visible`` [B × kv_heads, n] and the window show (None: every key). Returns the attention output in the
     layout transformers' attention functions return ([B, 1, heads, Dv]) and the statistics of
@@ -62,8 +71,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return output, _decode_statistics(probs, None if visible is None else visible.sum(dim=-1), needs, history)
 
 
-def _decode_statistics(probs: torch.Tensor, counts: torch.Tensor | None, needs: frozenset[str],
-                       history: int) -> dict[str, torch.Tensor]:
+def _decode_statistics(
+    probs: torch.Tensor, counts: torch.Tensor | None, needs: frozenset[str], history: int
+) -> dict[str, torch.Tensor]:
     """The statistics of one query's probabilities [rows, group, n]; ``counts`` [rows]: how many keys each row
     saw (None: all n)."""
     stats: dict[str, torch.Tensor] = {}
@@ -79,8 +89,11 @@ def _decode_statistics(probs: torch.Tensor, counts: torch.Tensor | None, needs: 
     if "qlog" in needs and history > 0:
         stats["qlog"] = row.unsqueeze(1)
         hkv, n = row.shape
-        stats["qlog_nvis"] = (torch.full((hkv, 1), float(n), device=row.device) if counts is None
-                              else counts.to(torch.float32).unsqueeze(1))
+        stats["qlog_nvis"] = (
+            torch.full((hkv, 1), float(n), device=row.device)
+            if counts is None
+            else counts.to(torch.float32).unsqueeze(1)
+        )
     return stats
 
 
@@ -97,21 +110,33 @@ def family_arguments(layer_idx: int, kwargs: dict, planned_window: int | None) -
         raise ValueError("output_attentions=True is not supported: kvbench's attention returns no weights")
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in PASSIVE_ARGUMENTS)
     if unknown:
-        raise ValueError(f"the model's attention asks for {', '.join(unknown)}, which kvbench does not implement; "
-                         "this model family is not supported (see the README's family table)")
+        raise ValueError(
+            f"the model's attention asks for {', '.join(unknown)}, which kvbench does not implement; "
+            "this model family is not supported (see the README's family table)"
+        )
     if window != planned_window:
-        raise RuntimeError(f"layer {layer_idx}: the model attends with sliding_window={window}, but the cache was "
-                           f"planned for {planned_window} (kvbench.families.layer_windows disagrees with the model)")
+        raise RuntimeError(
+            f"layer {layer_idx}: the model attends with sliding_window={window}, but the cache was "
+            f"planned for {planned_window} (kvbench.families.layer_windows disagrees with the model)"
+        )
     return window, softcap
 
 
-def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+def kvbench_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     cache = kwargs.pop("kvbench_cache", None)
     if cache is None:  # a plain call (no kvbench cache): behave exactly like SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     layer = cache.layers[module.layer_idx]
     kwargs["dropout"] = dropout  # the rest of kwargs is not read past this point
     size, softcap = family_arguments(module.layer_idx, kwargs, layer.plan.window)
@@ -125,47 +150,84 @@ def kvbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # SDPA only for one unmasked sequence: for several, one batched product per row measured faster.
         plain = query.shape[0] == 1 and layer.visible is None and window is None
         if collecting or softcap is not None or not plain:
-            output, stats = decode_attention(query, key, value, scaling, layer.visible, needs, policy.history,
-                                             window, softcap)
+            output, stats = decode_attention(
+                query, key, value, scaling, layer.visible, needs, policy.history, window, softcap
+            )
         else:
-            output, stats = sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling,
-                                                   is_causal=False)[0], {}
+            output, stats = (
+                sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling, is_causal=False)[
+                    0
+                ],
+                {},
+            )
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
     if query.shape[0] != 1:
         raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
     past = key.shape[2] - q
     if softcap is not None or needs & SUMMED_STATS:  # one blocked pass: the output and the statistics
-        stats = attention_statistics(query, key, scaling, past, layer.visible, needs if collecting else
-                                     frozenset(), policy.history, window, softcap, value)
+        stats = attention_statistics(
+            query,
+            key,
+            scaling,
+            past,
+            layer.visible,
+            needs if collecting else frozenset(),
+            policy.history,
+            window,
+            softcap,
+            value,
+        )
         output = stats.pop("output")
         cache.after_attention(module.layer_idx, q, stats)
         return output, None
     output = _sdpa(module, query, key, value, scaling, past, layer.visible, window)
-    stats = (attention_statistics(query, key, scaling, past, layer.visible, needs, policy.history, window)
-             if collecting else {})
+    stats = (
+        attention_statistics(query, key, scaling, past, layer.visible, needs, policy.history, window)
+        if collecting
+        else {}
+    )
     cache.after_attention(module.layer_idx, q, stats)
     return output, None
 
 
-def _sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-          past: int, visible_past: torch.Tensor | None, window: Window | None) -> torch.Tensor:
+def _sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    past: int,
+    visible_past: torch.Tensor | None,
+    window: Window | None,
+) -> torch.Tensor:
     """transformers' SDPA over the step's keys, masked as the layer's visibility says; a windowed chunk is
     attended a block of queries at a time, so its mask never spans the whole chunk at once."""
     q, n = query.shape[2], key.shape[2]
     group = query.shape[1] // key.shape[1]
     if visible_past is None and window is None:
         mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0) if q > 1 and past > 0 else None
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
-                                      is_causal=mask is None and q > 1)[0]
+        return sdpa_attention_forward(
+            module, query, key, value, mask, dropout=0.0, scaling=scaling, is_causal=mask is None and q > 1
+        )[0]
     outputs = []
     for start, end, lo in query_blocks(0, q, past, n, query.shape[1], window):
         hi = past + end  # keys past the block's last query, and before its window, are hidden from all of it
         mask = visibility(past, start, end, hi, visible_past, key.device, window, lo)
         if mask.shape[0] > 1:
             mask = mask.repeat_interleave(group, dim=0)
-        outputs.append(sdpa_attention_forward(module, query[:, :, start:end], key[:, :, lo:hi], value[:, :, lo:hi],
-                                              mask.unsqueeze(0), dropout=0.0, scaling=scaling, is_causal=False)[0])
+        outputs.append(
+            sdpa_attention_forward(
+                module,
+                query[:, :, start:end],
+                key[:, :, lo:hi],
+                value[:, :, lo:hi],
+                mask.unsqueeze(0),
+                dropout=0.0,
+                scaling=scaling,
+                is_causal=False,
+            )[0]
+        )
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 

@@ -8,6 +8,7 @@ in rows sized for decoding (the budget, not the prompt) and prefill each prompt 
 kept rows then move into the sequence's slot: the prompt's full cache is working memory of one sequence at a
 time, never of the batch.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -22,7 +23,7 @@ from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.fused_llama import FusedLlama, supports
 from kvbench.engine.plan import plan_layers
 from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
-from kvbench.engine.sequence import Request, Sequence, finished_generation, resolve_budget, reference_length
+from kvbench.engine.sequence import Request, Sequence, finished_generation, reference_length, resolve_budget
 from kvbench.families import check_supported, layer_windows
 from kvbench.policies.base import Policy
 
@@ -56,9 +57,20 @@ class BatchRun:
     """The requests' generations, advanced one unit of work per ``step()`` (one prompt's prefill, or one decode
     step of the batch), so that a benchmark can interleave several runs."""
 
-    def __init__(self, model: Any, tokenizer: Any, requests: list[Request], policy: Policy, budget: float | int,
-                 stage: str = "prefill", batch_size: int = 1, stride: int | None = None,
-                 return_logits: bool = False, trace: bool = False, fused: bool | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        requests: list[Request],
+        policy: Policy,
+        budget: float | int,
+        stage: str = "prefill",
+        batch_size: int = 1,
+        stride: int | None = None,
+        return_logits: bool = False,
+        trace: bool = False,
+        fused: bool | None = None,
+    ):
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
         if batch_size < 1:
@@ -80,8 +92,15 @@ class BatchRun:
         self.live: list[Sequence] = []
         self.batch: KVCache | None = None
         if batch_size > 1:
-            self.batch = KVCache([s.plans for s in self.sequences], policy, slots=batch_size, role="decode",
-                                 seed=self._seed(), device=self.device, model=model)
+            self.batch = KVCache(
+                [s.plans for s in self.sequences],
+                policy,
+                slots=batch_size,
+                role="decode",
+                seed=self._seed(),
+                device=self.device,
+                model=model,
+            )
         self.started = False
 
     def _seed(self) -> int:
@@ -95,10 +114,14 @@ class BatchRun:
         if chunk < 1:
             raise ValueError(f"stride {stride} must be >= 1")
         new = request.settings.max_new_tokens
-        tokens = resolve_budget(budget, reference_length(self.stage, context, suffix, new)) if self.policy.evicts else None
+        tokens = (
+            resolve_budget(budget, reference_length(self.stage, context, suffix, new)) if self.policy.evicts else None
+        )
         if tokens is not None and tokens < self.policy.scope.min_budget():
-            raise ValueError(f"budget of {tokens} tokens is below what policy {self.policy.name!r} protects "
-                             f"({self.policy.scope.min_budget()} tokens); raise the budget or lower n_sink/window")
+            raise ValueError(
+                f"budget of {tokens} tokens is below what policy {self.policy.name!r} protects "
+                f"({self.policy.scope.min_budget()} tokens); raise the budget or lower n_sink/window"
+            )
         plans = plan_layers(self.policy, tokens, self.windows, self.stage, context, suffix, new, chunk)
         return Sequence(index, request, plans, tokens, chunk, self.device)
 
@@ -127,8 +150,9 @@ class BatchRun:
         return [s.generation for s in self.sequences]
 
     # -- forwards ----------------------------------------------------------------------------------------------
-    def _forward(self, cache: KVCache, lo: int, seqs: list[Sequence], ids: list[list[int]], evicting: bool,
-                 phase: str) -> torch.Tensor:
+    def _forward(
+        self, cache: KVCache, lo: int, seqs: list[Sequence], ids: list[list[int]], evicting: bool, phase: str
+    ) -> torch.Tensor:
         """One forward of slots ``lo:lo + len(seqs)``; the last position's logits [B, V]."""
         positions = [[s.position + i for i in range(len(t))] for s, t in zip(seqs, ids)]
         fed = cache.begin_step(lo, lo + len(seqs), positions, evicting, phase, collecting=self.decode_evicts)
@@ -137,8 +161,14 @@ class BatchRun:
         if self.fused is not None:
             logits = self.fused(input_ids, fed, cache)
         else:
-            logits = self.model(input_ids=input_ids, position_ids=fed, use_cache=True, logits_to_keep=1,
-                                kvbench_cache=cache, **{self.cache_kw: cache}).logits[:, -1]
+            logits = self.model(
+                input_ids=input_ids,
+                position_ids=fed,
+                use_cache=True,
+                logits_to_keep=1,
+                kvbench_cache=cache,
+                **{self.cache_kw: cache},
+            ).logits[:, -1]
         cache.end_step()
         cache.hidden = None
         resident = cache.resident_by_slot(lo, lo + len(seqs))
@@ -165,7 +195,7 @@ class BatchRun:
                 held = s.request.replay_trace[s.forwards - 1][l].to(self.device)
                 by_position = torch.zeros(held.shape[0], width, dtype=torch.bool, device=self.device)
                 by_position.scatter_(1, held, True)
-                by_position[:, p[0]:] = True  # the step's own tokens
+                by_position[:, p[0] :] = True  # the step's own tokens
                 rows.append(by_position)
             masks.append(torch.cat(rows))
         return masks
@@ -173,8 +203,15 @@ class BatchRun:
     def _admit(self, seq: Sequence) -> None:
         """Prefill one prompt (its chunks, then the suffix) and give the sequence a slot of the batch."""
         slot = len(self.live)
-        cache = KVCache([seq.plans], self.policy, slots=1, role="both" if self.batch is None else "prefill",
-                        seed=seq.request.settings.seed, device=self.device, model=self.model)
+        cache = KVCache(
+            [seq.plans],
+            self.policy,
+            slots=1,
+            role="both" if self.batch is None else "prefill",
+            seed=seq.request.settings.seed,
+            device=self.device,
+            model=self.model,
+        )
         cache.assign(0, seq.plans)
         request = seq.request
         seq.t0 = measure.now(self.device)
@@ -244,8 +281,9 @@ class BatchRun:
         """Finish ``done`` and close the batch's gaps: the last live sequence moves into a freed slot."""
         for seq in sorted(done, key=lambda s: -s.slot):
             peak, kind = measure.peak_memory_bytes(self.device)
-            seq.generation = finished_generation(seq, self.tokenizer, self.stage, self.windows, self.batch_size,
-                                                 peak, kind)
+            seq.generation = finished_generation(
+                seq, self.tokenizer, self.stage, self.windows, self.batch_size, peak, kind
+            )
             last = self.live[-1]
             if last is not seq:
                 self.batch.copy_slot(self.batch, last.slot, seq.slot)

@@ -9,6 +9,7 @@ that a prefill with statistics costs little more than the attention itself (``do
 Everything is computed in float32, whatever the model's dtype: a probability summed over thousands of queries
 needs the precision.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -30,8 +31,9 @@ def softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits.div_(softcap).tanh_().mul_(softcap)
 
 
-def query_blocks(first: int, q: int, past: int, n: int, heads: int,
-                 window: Window | None) -> Iterator[tuple[int, int, int]]:
+def query_blocks(
+    first: int, q: int, past: int, n: int, heads: int, window: Window | None
+) -> Iterator[tuple[int, int, int]]:
     """(start, end, lo) per block of the step's queries from ``first``: the block attends keys ``lo`` to
     ``past + end``, and holds at most about ``STATS_BLOCK_ELEMENTS`` logits."""
     span = n if window is None else min(n, 2 * window.size)  # keys a block of at most `size` queries sees
@@ -44,10 +46,18 @@ def query_blocks(first: int, q: int, past: int, n: int, heads: int,
         yield start, min(q, start + rows), lo
 
 
-def attention_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float, past: int,
-                         visible_past: torch.Tensor | None, needs: frozenset[str], history: int = 0,
-                         window: Window | None = None, softcap: float | None = None,
-                         value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def attention_statistics(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    past: int,
+    visible_past: torch.Tensor | None,
+    needs: frozenset[str],
+    history: int = 0,
+    window: Window | None = None,
+    softcap: float | None = None,
+    value: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """The per-token statistics the policy needs from this step's attention, per KV head and key:
 
     - ``acc`` / ``sumsq``: sums over the step's queries of the attention probability (and of its square);
@@ -90,9 +100,19 @@ class _Step:
     shifted: bool  # subtract each row's maximum before the exponential (else normalise unshifted sums)
 
 
-def _blocked_pass(query: torch.Tensor, key: torch.Tensor, scaling: float, past: int,
-                  visible_past: torch.Tensor | None, needs: frozenset[str], history: int, window: Window | None,
-                  softcap: float | None, value: torch.Tensor | None, shifted: bool) -> dict[str, torch.Tensor] | None:
+def _blocked_pass(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    past: int,
+    visible_past: torch.Tensor | None,
+    needs: frozenset[str],
+    history: int,
+    window: Window | None,
+    softcap: float | None,
+    value: torch.Tensor | None,
+    shifted: bool,
+) -> dict[str, torch.Tensor] | None:
     """``attention_statistics``; with ``shifted`` False, None where an unshifted exponential fell out of range."""
     _, hq, q, dim = query.shape
     hkv, n = key.shape[1], key.shape[2]
@@ -194,8 +214,18 @@ def _group_mean(grid: torch.Tensor, inverse: torch.Tensor | None, rows: slice = 
     return torch.bmm(weights, part.reshape(-1, group, cols)).view(hkv, -1, cols)
 
 
-def _fold_block(out: dict[str, torch.Tensor], grid: torch.Tensor, inverse: torch.Tensor | None, lo: int, hi: int,
-                start: int, end: int, q: int, log_from: int, nvis: torch.Tensor) -> None:
+def _fold_block(
+    out: dict[str, torch.Tensor],
+    grid: torch.Tensor,
+    inverse: torch.Tensor | None,
+    lo: int,
+    hi: int,
+    start: int,
+    end: int,
+    q: int,
+    log_from: int,
+    nvis: torch.Tensor,
+) -> None:
     """Add one block's probabilities [hkv, rows, group, cols] (keys ``lo`` to ``hi``; unnormalised where
     ``inverse`` is given) to the statistics; the block's buffer is not read again, so the sums may overwrite it."""
     hkv, rows, group, cols = grid.shape
@@ -215,6 +245,9 @@ def _fold_block(out: dict[str, torch.Tensor], grid: torch.Tensor, inverse: torch
             out["acc"][:, lo:hi] += torch.bmm(ones, mean).view(hkv, cols)
         out["sumsq"][:, lo:hi] += torch.bmm(ones, mean.square_()).view(hkv, cols)
     elif "acc" in out:  # one product: the sum over the block's queries and the group's heads, each row weighted
-        weights = (torch.full((hkv, 1, rows * group), 1.0 / group, device=grid.device) if inverse is None
-                   else inverse.transpose(1, 2) / group)
+        weights = (
+            torch.full((hkv, 1, rows * group), 1.0 / group, device=grid.device)
+            if inverse is None
+            else inverse.transpose(1, 2) / group
+        )
         out["acc"][:, lo:hi] += torch.bmm(weights, grid.view(hkv, rows * group, cols)).view(hkv, cols)

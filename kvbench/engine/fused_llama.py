@@ -5,6 +5,7 @@ separate matrices per layer through ``x @ W.T``; here Q, K and V are one matrix,
 one, and every matrix is stored as ``[in, out]`` so the product streams it contiguously. The cache,
 the attention function and therefore every policy are exactly the ones the model forward uses.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,16 +62,18 @@ class FusedLlama:
             for layer in core.layers:
                 a, m = layer.self_attn, layer.mlp
                 q, k, v = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
-                self.layers.append(_Layer(
-                    attn=a,
-                    qkv=torch.cat([q, k, v]).t().contiguous(),
-                    o=a.o_proj.weight.t().contiguous(),
-                    gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).t().contiguous(),
-                    down=m.down_proj.weight.t().contiguous(),
-                    norm_in=layer.input_layernorm,
-                    norm_post=layer.post_attention_layernorm,
-                    split=(q.shape[0], k.shape[0], v.shape[0]),
-                ))
+                self.layers.append(
+                    _Layer(
+                        attn=a,
+                        qkv=torch.cat([q, k, v]).t().contiguous(),
+                        o=a.o_proj.weight.t().contiguous(),
+                        gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).t().contiguous(),
+                        down=m.down_proj.weight.t().contiguous(),
+                        norm_in=layer.input_layernorm,
+                        norm_post=layer.post_attention_layernorm,
+                        split=(q.shape[0], k.shape[0], v.shape[0]),
+                    )
+                )
         self.head_dim = self.layers[0].attn.head_dim
         # MKL's packed GEMM for one batch size (``pack``): on CPU it multiplies several rows at once about 1.5×
         # faster than the plain product (measured), at the cost of a packed copy of every weight.

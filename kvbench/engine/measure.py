@@ -1,4 +1,5 @@
 """Timers and memory probes that mean the same thing on CPU and CUDA."""
+
 from __future__ import annotations
 
 import ctypes
@@ -70,7 +71,7 @@ class PeakMemory:
         self.device, self.peak = device, 0
         self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss"
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.base = torch.cuda.memory_allocated(self.device)

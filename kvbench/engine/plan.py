@@ -7,6 +7,7 @@ window. ``policy.sliding_layers=evict`` applies the policy inside sliding layers
 1)``. A model whose every layer slides (Mistral v0.1) has no other layer to spend a budget on, so there the
 policy always evicts in the sliding layers, holding at most min(budget, window - 1) entries.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +50,9 @@ class LayerPlan:
         return cap
 
 
-def plan_capacity(stage: str, budget: int | None, context: int, suffix: int, max_new: int,
-                  chunk: int) -> tuple[int, int]:
+def plan_capacity(
+    stage: str, budget: int | None, context: int, suffix: int, max_new: int, chunk: int
+) -> tuple[int, int]:
     """The most tokens a layer holds while the prompt (and suffix) is fed, and while decoding."""
     total = context + suffix + max_new
     if budget is None:
@@ -74,20 +76,36 @@ def sliding_problem(policy: Policy, windows: list[int | None]) -> str | None:
     """What this policy cannot do on these layers, or None: merging would fold entries that left the window
     (never visible again) into kept ones, changing the model's function even at a full budget."""
     if policy.merge and evicts_in_sliding_layers(policy, windows):
-        return ("policy.merge=true cannot evict inside sliding-window layers (an entry that left the window would "
-                "be folded into kept ones); use policy.sliding_layers=window on a hybrid model, or merge=false")
+        return (
+            "policy.merge=true cannot evict inside sliding-window layers (an entry that left the window would "
+            "be folded into kept ones); use policy.sliding_layers=window on a hybrid model, or merge=false"
+        )
     return None
 
 
 def window_only(policy: Policy) -> Policy:
     """What a sliding layer runs when the policy leaves it alone: it holds its window, stored as the policy
     stores entries (quantised, re-indexed)."""
-    return Policy(name=policy.name, score=Recency(), scope=Everything(), evicts=False, quantize=policy.quantize,
-                  positions=policy.positions)
+    return Policy(
+        name=policy.name,
+        score=Recency(),
+        scope=Everything(),
+        evicts=False,
+        quantize=policy.quantize,
+        positions=policy.positions,
+    )
 
 
-def plan_layers(policy: Policy, budget: int | None, windows: list[int | None], stage: str, context: int,
-                suffix: int, max_new: int, chunk: int) -> list[LayerPlan]:
+def plan_layers(
+    policy: Policy,
+    budget: int | None,
+    windows: list[int | None],
+    stage: str,
+    context: int,
+    suffix: int,
+    max_new: int,
+    chunk: int,
+) -> list[LayerPlan]:
     """One plan per decoder layer (``windows``: each layer's sliding window, None for full attention)."""
     problem = sliding_problem(policy, windows)
     if problem:

@@ -1,4 +1,5 @@
 """Choosing the next token and when to stop: greedy or seeded sampling, the model's end tokens, stop strings."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,5 +1,6 @@
 """One sequence of a run: what it asks for (``Request``), where it stands (``Sequence``) and what it produced
 (``Generation``, the row's engine fields)."""
+
 from __future__ import annotations
 
 import math
@@ -63,8 +64,9 @@ class Generation:
         out.update(measure.latency_summary(self.decode_latencies_s))
         steps = sum(self.decode_latencies_s)
         out["batch_decode_tokens_per_s"] = sum(self.decode_batch_sizes) / steps if steps > 0 else None
-        out["decode_batch_mean"] = (sum(self.decode_batch_sizes) / len(self.decode_batch_sizes)
-                                    if self.decode_batch_sizes else None)
+        out["decode_batch_mean"] = (
+            sum(self.decode_batch_sizes) / len(self.decode_batch_sizes) if self.decode_batch_sizes else None
+        )
         return out
 
 
@@ -116,8 +118,9 @@ def reference_length(stage: str, context: int, suffix: int, max_new_tokens: int)
     return context + suffix + max_new_tokens if stage == "decode" else context
 
 
-def finished_generation(seq: Sequence, tokenizer: Any, stage: str, windows: list[int | None], batch_size: int,
-                        peak: int, peak_kind: str) -> Generation:
+def finished_generation(
+    seq: Sequence, tokenizer: Any, stage: str, windows: list[int | None], batch_size: int, peak: int, peak_kind: str
+) -> Generation:
     """The sequence's ``Generation``, read from its slot before the slot is handed on."""
     summary = seq.cache.summary(seq.slot)
     n_layers = len(windows)
@@ -135,15 +138,29 @@ def finished_generation(seq: Sequence, tokenizer: Any, stage: str, windows: list
     if seq.stop_reason == "stop_string":
         text = cut_at_stop(text, request.settings.stop_strings)
     return Generation(
-        tokens=seq.tokens, text=text, stop_reason=seq.stop_reason or "max_new_tokens",
-        prompt_tokens=context + len(request.suffix_ids), budget_tokens=seq.budget_tokens, kept_tokens=kept,
-        seen_tokens=seen, budget_achieved=achieved, budget_achieved_per_layer=per_layer,
-        kv_resident_bytes=summary.resident_bytes, kv_resident_peak_bytes=seq.resident_peak,
+        tokens=seq.tokens,
+        text=text,
+        stop_reason=seq.stop_reason or "max_new_tokens",
+        prompt_tokens=context + len(request.suffix_ids),
+        budget_tokens=seq.budget_tokens,
+        kept_tokens=kept,
+        seen_tokens=seen,
+        budget_achieved=achieved,
+        budget_achieved_per_layer=per_layer,
+        kv_resident_bytes=summary.resident_bytes,
+        kv_resident_peak_bytes=seq.resident_peak,
         **by_layer_kind(windows, per_layer, summary.resident_per_layer),
-        kv_capacity_bytes=summary.capacity_bytes, prefill_s=seq.prefill_s, ttft_s=seq.ttft_s,
-        decode_latencies_s=seq.latencies, peak_memory_prefill_bytes=seq.peak_prefill[0], peak_memory_bytes=peak,
-        peak_memory_kind=peak_kind, batch_size=batch_size, decode_batch_sizes=seq.step_batches,
-        logits=torch.stack(seq.logits) if seq.logits else None, trace=seq.traces or None,
+        kv_capacity_bytes=summary.capacity_bytes,
+        prefill_s=seq.prefill_s,
+        ttft_s=seq.ttft_s,
+        decode_latencies_s=seq.latencies,
+        peak_memory_prefill_bytes=seq.peak_prefill[0],
+        peak_memory_bytes=peak,
+        peak_memory_kind=peak_kind,
+        batch_size=batch_size,
+        decode_batch_sizes=seq.step_batches,
+        logits=torch.stack(seq.logits) if seq.logits else None,
+        trace=seq.traces or None,
     )
 
 

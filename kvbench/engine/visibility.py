@@ -1,5 +1,6 @@
 """Which keys each query of a step may see: causality inside the new chunk, what the layer hides of its past
 (masked replay, the padding of a per-head view), and a sliding window by absolute position."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,16 @@ class Window:
         return torch.searchsorted(reach.contiguous(), edges, right=True).min(dim=0).values.tolist()
 
 
-def visibility(past: int, q_start: int, q_end: int, n: int, visible_past: torch.Tensor | None,
-               device: torch.device, window: Window | None = None, lo: int = 0) -> torch.Tensor:
+def visibility(
+    past: int,
+    q_start: int,
+    q_end: int,
+    n: int,
+    visible_past: torch.Tensor | None,
+    device: torch.device,
+    window: Window | None = None,
+    lo: int = 0,
+) -> torch.Tensor:
     """Bool [heads or 1, q_end - q_start, n - lo]: key j (from ``lo``) is visible to chunk query i."""
     rows = torch.arange(q_start, q_end, device=device).unsqueeze(-1) + past
     allowed = (torch.arange(lo, n, device=device).unsqueeze(0) <= rows).unsqueeze(0)

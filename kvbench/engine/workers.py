@@ -7,6 +7,7 @@ blocks across as many threads as intra-op parallelism allows, each with its own 
 (they release Python's lock), does the same: on 2 cores it took an 8k-token statistics pass from about 1.4 × to
 about 1.05 × SDPA's time (``docs/perf/prefill.md``). Elsewhere than on CPU the work runs as it is.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -20,11 +21,12 @@ Result = TypeVar("Result")
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 
-def split_across_threads(work: Callable[[Sequence[Item]], Result], items: Sequence[Item],
-                         device: torch.device) -> list[Result]:
+def split_across_threads(
+    work: Callable[[Sequence[Item]], Result], items: Sequence[Item], device: torch.device
+) -> list[Result]:
     """``work`` over round-robin shares of ``items``, one share per intra-op thread on CPU (a single share
-    elsewhere, or when there is one thread or one item), under the caller's inference and grad modes. The
-caller's intra-op parallelism is restored after."""
+        elsewhere, or when there is one thread or one item), under the caller's inference and grad modes. The
+    caller's intra-op parallelism is restored after."""
     threads = torch.get_num_threads()
     shares = min(threads, len(items)) if device.type == "cpu" else 1
     if shares <= 1:

@@ -11,6 +11,7 @@ distributions; otherwise it is a lower bound of it (merging outcomes never incre
 tight when the full cache puts little mass outside its top ``K`` (``topk_mass`` reports that mass).
 Identical logits give exactly 0: both sides go through the same float32 ``log_softmax``.
 """
+
 from __future__ import annotations
 
 import re

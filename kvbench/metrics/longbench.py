@@ -16,6 +16,7 @@ Two reference implementations are not dependencies here, so their behaviour is r
   ``rapidfuzz.fuzz.ratio`` is *not* the same number (it is an LCS/Indel ratio and is often a few
   points higher), so it is not used.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -209,8 +210,17 @@ def code_sim_score(prediction: str, ground_truth: str, all_classes: Sequence[str
 
 METRICS: dict[str, Metric] = {
     f.__name__: f
-    for f in (qa_f1_score, qa_f1_zh_score, rouge_score, rouge_zh_score, classification_score,
-              retrieval_score, retrieval_zh_score, count_score, code_sim_score)
+    for f in (
+        qa_f1_score,
+        qa_f1_zh_score,
+        rouge_score,
+        rouge_zh_score,
+        classification_score,
+        retrieval_score,
+        retrieval_zh_score,
+        count_score,
+        code_sim_score,
+    )
 }
 
 
@@ -219,7 +229,8 @@ def first_line(text: str) -> str:
     return text.lstrip("\n").split("\n")[0]
 
 
-def best_over_references(metric: Metric, prediction: str, references: Sequence[str],
-                         all_classes: Sequence[str] | None = None) -> float:
+def best_over_references(
+    metric: Metric, prediction: str, references: Sequence[str], all_classes: Sequence[str] | None = None
+) -> float:
     """The best score against any reference answer (0 with none), as LongBench's eval does."""
     return max((metric(prediction, ref, all_classes=all_classes) for ref in references), default=0.0)

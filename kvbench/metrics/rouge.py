@@ -3,6 +3,7 @@
 F-measures with Porter stemming, in [0, 1]. ``rougeLsum`` takes newlines as sentence breaks and
 texts are not re-split into sentences (that would need NLTK data, which cannot be fetched offline).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

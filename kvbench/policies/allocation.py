@@ -5,6 +5,7 @@
 - ``adaptive`` (Ada-KV): inside a layer, heads get different budgets from the score distribution, same
   layer total. The cache then stores per-head lengths (engine.cache.PooledLayer).
 """
+
 from __future__ import annotations
 
 import math

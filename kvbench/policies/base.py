@@ -7,6 +7,7 @@ kept entries as int8/fp8, ``positions`` chooses absolute RoPE positions or Strea
 
 Named policies only choose the parts (configs/policy/*.yaml).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -1,8 +1,8 @@
 """Merging: evicted entries are folded into their most similar kept entry instead of being dropped.
 
 Per KV head, each evicted entry e goes to the kept entry k*(e) = argmax_k cos(key_e, key_k) (cosine
-similarity of the stored keys: rotated by their positions, or un-rotated under ``positions: reindex``). Every kept entry k then becomes the attention-weighted average of
-itself and everything folded into it:
+similarity of the stored keys: rotated by their positions, or un-rotated under ``positions: reindex``).
+Every kept entry k then becomes the attention-weighted average of itself and everything folded into it:
 
     x_k <- (w_k · x_k + Σ_{e: k*(e)=k} w_e · x_e) / (w_k + Σ_{e: k*(e)=k} w_e)      for x = key and value,
 
@@ -11,6 +11,7 @@ entries it absorbed earlier (``mass``), so an entry that stands for several toke
 The kept entry's ``mass`` then grows by Σ w_e. Its position (and so its RoPE rotation) is its own.
 Similarities are computed a block of evicted rows at a time, never an n × n matrix for a long prompt.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,13 @@ import torch
 BLOCK_ELEMENTS = 1 << 22
 
 
-def merge_evicted(keys: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor,
-                  valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def merge_evicted(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    keep: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """keys [H, n, D], values [H, n, Dv], weights [H, n] (>= 0), keep [H, n] bool, valid [H, n] bool or None.
 
     Returns (keys, values, absorbed): the merged keys/values for every entry (only kept ones change, float32)

@@ -17,6 +17,7 @@ tables: ``dynamic`` and ``longrope`` switch tables with the sequence length, so 
 undone later, and models without RoPE (learned positions, ALiBi) have nothing to reindex. ``reindex_refusal``
 decides that from the config alone, before any weights load.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,15 +27,36 @@ import torch
 # model_type -> how RoPE pairs the dims it rotates: "half" pairs i with i + rot/2 (Llama's rotate_half),
 # "interleaved" pairs 2i with 2i + 1 (rotate-every-two). Each entry is checked against the family's own code.
 LAYOUTS: dict[str, str] = {
-    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3",
-                     "stablelm", "starcoder2", "olmo", "olmo2", "gemma", "gemma2", "gemma3_text", "gpt_neox",
-                     "falcon"), "half"),
+    **dict.fromkeys(
+        (
+            "llama",
+            "mistral",
+            "mixtral",
+            "qwen2",
+            "qwen2_moe",
+            "qwen3",
+            "qwen3_moe",
+            "phi",
+            "phi3",
+            "stablelm",
+            "starcoder2",
+            "olmo",
+            "olmo2",
+            "gemma",
+            "gemma2",
+            "gemma3_text",
+            "gpt_neox",
+            "falcon",
+        ),
+        "half",
+    ),
     **dict.fromkeys(("cohere", "cohere2", "gptj"), "interleaved"),
 }
 # Families known to encode positions without RoPE, and how.
 NO_ROPE: dict[str, str] = {
-    **dict.fromkeys(("opt", "gpt2", "gpt_bigcode", "gpt_neo", "biogpt", "xglm"),
-                    "learned absolute position embeddings"),
+    **dict.fromkeys(
+        ("opt", "gpt2", "gpt_bigcode", "gpt_neo", "biogpt", "xglm"), "learned absolute position embeddings"
+    ),
     **dict.fromkeys(("bloom", "mpt"), "ALiBi attention biases"),
 }
 # rope_types whose frequency table is fixed at load: un-rotating then re-rotating is exact.
@@ -54,13 +76,14 @@ class Rotary:
         self.scale = float(scale)  # the model multiplies cos and sin by it (YaRN's attention factor)
 
     @classmethod
-    def identity(cls) -> "Rotary":
+    def identity(cls) -> Rotary:
         """A layer that applies no RoPE (e.g. Cohere2's global layers): nothing to rotate."""
         return cls(torch.zeros(0))
 
-    def same_as(self, other: "Rotary") -> bool:
+    def same_as(self, other: Rotary) -> bool:
         return (self.layout, self.scale, self.rot_dim) == (other.layout, other.scale, other.rot_dim) and bool(
-            torch.equal(self.inv_freq, other.inv_freq))
+            torch.equal(self.inv_freq, other.inv_freq)
+        )
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., n, D] as the model rotates it at ``positions`` [..., n]. With ``scale == 1`` negative
@@ -109,32 +132,44 @@ def reindex_refusal(config: Any, name: str | None = None) -> str | None:
     lead = "positions=reindex re-rotates kept keys with RoPE"
     if model_type in NO_ROPE or (model_type == "falcon" and getattr(config, "alibi", False)):
         how = NO_ROPE.get(model_type, "ALiBi attention biases")
-        return (f"{lead}; {model_type} encodes positions with {how}, "
-                f"so {name} has no rotary position embedding; {ABSOLUTE}")
+        return (
+            f"{lead}; {model_type} encodes positions with {how}, so {name} has no rotary position embedding; {ABSOLUTE}"
+        )
     if model_type not in LAYOUTS:
-        return (f"{lead}, but {name} (model_type {model_type!r}) is not a family whose RoPE it knows "
-                f"(supported: {', '.join(sorted(LAYOUTS))}); {ABSOLUTE}")
+        return (
+            f"{lead}, but {name} (model_type {model_type!r}) is not a family whose RoPE it knows "
+            f"(supported: {', '.join(sorted(LAYOUTS))}); {ABSOLUTE}"
+        )
     for params in _rope_parameters(config):
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in STATIC_ROPE_TYPES:
-            why = {"dynamic": "recomputes its frequencies as the sequence grows",
-                   "longrope": "switches frequency tables with the sequence length"}.get(
-                "dynamic" if "dynamic" in rope_type else rope_type, "is not known to keep one static table")
-            return (f"{lead}, which is exact only for a static table, but {name} uses rope_type={rope_type!r}, "
-                    f"which {why} (static types: {', '.join(STATIC_ROPE_TYPES)}); {ABSOLUTE}")
+            why = {
+                "dynamic": "recomputes its frequencies as the sequence grows",
+                "longrope": "switches frequency tables with the sequence length",
+            }.get("dynamic" if "dynamic" in rope_type else rope_type, "is not known to keep one static table")
+            return (
+                f"{lead}, which is exact only for a static table, but {name} uses rope_type={rope_type!r}, "
+                f"which {why} (static types: {', '.join(STATIC_ROPE_TYPES)}); {ABSOLUTE}"
+            )
     return None
 
 
 def _rotary_module(model: Any, text_config: Any) -> Any:
     """The module holding the decoder's RoPE table(s); for multimodal models, the language model's."""
-    found = [m for m in model.modules() if "rotary" in type(m).__name__.lower()
-             and any(n.endswith("inv_freq") or n == "embed_positions" for n, _ in m.named_buffers(recurse=False))]
+    found = [
+        m
+        for m in model.modules()
+        if "rotary" in type(m).__name__.lower()
+        and any(n.endswith("inv_freq") or n == "embed_positions" for n, _ in m.named_buffers(recurse=False))
+    ]
     ours = [m for m in found if getattr(m, "config", None) is text_config] or found
     if not ours:
         raise ValueError(f"positions=reindex found no rotary embedding module in {type(model).__name__}; {ABSOLUTE}")
     if len(ours) > 1:
-        raise ValueError(f"positions=reindex found {len(ours)} rotary embedding modules in {type(model).__name__} "
-                         f"and cannot tell which the decoder uses; {ABSOLUTE}")
+        raise ValueError(
+            f"positions=reindex found {len(ours)} rotary embedding modules in {type(model).__name__} "
+            f"and cannot tell which the decoder uses; {ABSOLUTE}"
+        )
     return ours[0]
 
 

@@ -10,6 +10,7 @@ Error bounds per element: int8 |x - x̂| <= s / 2; fp8 e4m3 (3 mantissa bits) |x
 (relative half-ulp for normal numbers, half the subnormal spacing 2⁻⁹ below 2⁻⁶).
 fp8 bytes are kept in uint8 tensors (bit-identical views), since not every torch op moves float8 tensors.
 """
+
 from __future__ import annotations
 
 import torch
@@ -69,7 +70,9 @@ class Fp8(Quantizer):
     def __init__(self) -> None:
         dtype = getattr(torch, "float8_e4m3fn", None)
         if dtype is None:
-            raise ValueError(f"quantize=fp8 needs torch.float8_e4m3fn (torch >= 2.1); this torch is {torch.__version__}")
+            raise ValueError(
+                f"quantize=fp8 needs torch.float8_e4m3fn (torch >= 2.1); this torch is {torch.__version__}"
+            )
         try:
             torch.zeros(2).to(dtype).view(torch.uint8).view(dtype).to(torch.float32)
         except (RuntimeError, TypeError) as err:  # pragma: no cover - depends on the build

@@ -14,6 +14,7 @@ A policy config names its parts and carries their options (every option is a Hyd
 
 A score may carry ``shared: true`` (one kept set per layer: the score averaged over KV heads).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -67,8 +68,15 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     sliding = cfg.get("sliding_layers") or "window"
     score_spec = cfg.get("score", "none")
     if score_spec in (None, "none"):
-        return Policy(name=name, score=Recency(), scope=Everything(), evicts=False, quantize=quantize,
-                      positions=positions, sliding_layers=sliding)
+        return Policy(
+            name=name,
+            score=Recency(),
+            scope=Everything(),
+            evicts=False,
+            quantize=quantize,
+            positions=positions,
+            sliding_layers=sliding,
+        )
     options = _options(score_spec)
     shared = _flag(options.pop("shared", False), "score.shared")
     score = _part(SCORES, options, "score")
@@ -78,5 +86,13 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     allocation = _part(ALLOCATIONS, cfg.get("allocation") or "uniform", "allocation")
     if allocation.per_head and shared:
         raise ValueError("score.shared=true keeps one set per layer; it cannot combine with allocation=adaptive")
-    return Policy(name=name, score=score, scope=scope, allocation=allocation, merge=merge, quantize=quantize,
-                  positions=positions, sliding_layers=sliding)
+    return Policy(
+        name=name,
+        score=score,
+        scope=scope,
+        allocation=allocation,
+        merge=merge,
+        quantize=quantize,
+        positions=positions,
+        sliding_layers=sliding,
+    )

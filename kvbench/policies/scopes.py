@@ -1,4 +1,5 @@
 """Eviction scopes: which tokens are shielded from eviction whatever their score."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,8 @@ import math
 import torch
 
 from kvbench.policies.base import Scope, resolve_count
-from kvbench.policies.state import TokenState
 from kvbench.policies.scores import attention_variance
+from kvbench.policies.state import TokenState
 
 # A layer keeps each head's tokens in sequence order (compaction preserves order, new tokens are appended),
 # so "oldest" and "newest" are slices of each head's entries. Under per-head allocation heads hold
@@ -60,7 +61,6 @@ class Everything(Scope):
 
     def shield(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
         return scores
-
 
 
 class SinksAndWindow(Scope):

@@ -5,6 +5,7 @@ attention function. Grouped-query attention: a statistic is first computed per *
 query heads of a group are reduced to their KV head by the MEAN of their attention probabilities
 (engine.attention.attention_statistics), so every score here is per KV head, the unit the cache stores.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,9 @@ class RandomScore(Score):
         return uniform_hash(state.seed, state.row_keys, state.positions, state.seen)
 
 
-def uniform_hash(seed: int, rows: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor | int | None) -> torch.Tensor:
+def uniform_hash(
+    seed: int, rows: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor | int | None
+) -> torch.Tensor:
     """Floats in [0, 1) from integer inputs (murmur3's 32-bit finaliser over a mix of them), [rows, n]."""
     mask = 0xFFFFFFFF
     seen = torch.as_tensor(0 if seen is None else seen, device=positions.device)
@@ -82,8 +85,10 @@ def attention_variance(state: TokenState) -> torch.Tensor:
     """The square of ``attention_mean_std``'s deviation, computed once per state on the shared mean. It ranks
     tokens as the deviation does (the square root is increasing), so ranking needs no root: E[a²] - mean²,
     which rounding may leave a hair below 0 for a token of (near) constant attention."""
-    return state.derived("var", lambda s: torch.addcmul(s.stats["sumsq"] / clamped_count(s), mean_attention(s),
-                                                        mean_attention(s), value=-1.0))
+    return state.derived(
+        "var",
+        lambda s: torch.addcmul(s.stats["sumsq"] / clamped_count(s), mean_attention(s), mean_attention(s), value=-1.0),
+    )
 
 
 def logged_sum(state: TokenState) -> torch.Tensor:
@@ -192,8 +197,9 @@ class ObservationWindow(Score):
         return pool_neighbours(summed, self.kernel_size, self.pooling, self.in_window(state))
 
 
-def pool_neighbours(scores: torch.Tensor, kernel_size: int, pooling: str,
-                    window: torch.Tensor | None = None) -> torch.Tensor:
+def pool_neighbours(
+    scores: torch.Tensor, kernel_size: int, pooling: str, window: torch.Tensor | None = None
+) -> torch.Tensor:
     """1-D pooling along the token axis, same length out: [H, n] -> [H, n]. What SnapKV's avg_pool1d (zero
     padding counted) or max_pool1d computes, as ``kernel_size`` shifted adds (or maxima) of a padded copy: several
     times faster than the pooling kernels on a [heads, n] matrix.
@@ -208,7 +214,9 @@ def pool_neighbours(scores: torch.Tensor, kernel_size: int, pooling: str,
     padded = F.pad(scores, (pad, pad), value=fill)
     if window is not None:
         padded[:, pad : pad + n].masked_fill_(window, fill)
-    out = padded[:, :n] + padded[:, 1 : n + 1] if pooling == "avg" else torch.maximum(padded[:, :n], padded[:, 1 : n + 1])
+    out = (
+        padded[:, :n] + padded[:, 1 : n + 1] if pooling == "avg" else torch.maximum(padded[:, :n], padded[:, 1 : n + 1])
+    )
     for i in range(2, kernel_size):
         if pooling == "avg":
             out += padded[:, i : i + n]
@@ -239,7 +247,9 @@ class ValueAware(Score):
 
     def __init__(self, base: str = "accumulated", p: float = 1.0):
         if base not in SCORES or base == "value_aware":
-            raise ValueError(f"value_aware base {base!r} must be another score: {sorted(set(SCORES) - {'value_aware'})}")
+            raise ValueError(
+                f"value_aware base {base!r} must be another score: {sorted(set(SCORES) - {'value_aware'})}"
+            )
         self.base = SCORES[base]()
         self.p = float(p)
         self.needs = self.base.needs

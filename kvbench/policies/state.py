@@ -1,4 +1,5 @@
 """What a layer holds, as the policy parts see it: positions, statistics, keys and values, per KV head."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,8 +13,9 @@ class Stats(dict):
     """Per-token statistics by name; those in ``lazy`` are computed when first read (a per-head-allocated
     layer's query log is a large gather that most scores never need whole). ``get`` does not compute them."""
 
-    def __init__(self, eager: dict[str, torch.Tensor] | None = None,
-                 lazy: dict[str, Callable[[], torch.Tensor]] | None = None):
+    def __init__(
+        self, eager: dict[str, torch.Tensor] | None = None, lazy: dict[str, Callable[[], torch.Tensor]] | None = None
+    ):
         super().__init__(eager or {})
         self._lazy = dict(lazy or {})
 
@@ -80,8 +82,9 @@ class TokenState:
         self.units = units
         self.window, self.seen = window, seen
         self.seed = seed
-        self.row_keys = row_keys if row_keys is not None else torch.arange(
-            positions.shape[0], device=positions.device).unsqueeze(1)
+        self.row_keys = (
+            row_keys if row_keys is not None else torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+        )
 
     def outside_window(self) -> torch.Tensor | None:
         """Bool [H, n]: entries the next query cannot see (a sliding-window layer's), or None."""
@@ -89,7 +92,7 @@ class TokenState:
             return None
         return self.positions <= self.seen - self.window
 
-    def derived(self, name: str, compute: Callable[["TokenState"], torch.Tensor]) -> torch.Tensor:
+    def derived(self, name: str, compute: Callable[[TokenState], torch.Tensor]) -> torch.Tensor:
         """A quantity computed from this state once, shared by the parts that read it (RoCo's mean
         attention is the score, and the robust scope's deviation is built on it)."""
         if name not in self._derived:

@@ -4,6 +4,7 @@ Kept free of matplotlib so tests can check the plotted data directly: ``cell_sta
 tidy row per model/task/stage/policy/budget/quantity with x (achieved budget, %), y (mean over
 examples), a bootstrap interval and n.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -79,9 +80,7 @@ def _achieved_percent(group: pd.DataFrame) -> float:
     return float(first["budget_value"] * 100) if first["budget_kind"] == 0 else float("nan")
 
 
-def cell_stats(
-    rows: pd.DataFrame, quantities: Sequence[str], n_boot: int = N_BOOT, seed: int = 0
-) -> pd.DataFrame:
+def cell_stats(rows: pd.DataFrame, quantities: Sequence[str], n_boot: int = N_BOOT, seed: int = 0) -> pd.DataFrame:
     """Long table of per-cell statistics of ``quantities`` over the ``ok`` rows.
 
     Each cell's generator is seeded from ``seed`` and the cell's identity, so a cell's interval
@@ -112,7 +111,7 @@ def with_full_baseline(stats: pd.DataFrame) -> pd.DataFrame:
     full = stats[stats["policy"].eq(BASELINE)]
     stages = sort_stages(stats["stage"].unique())
     copies = []
-    for (model, task), cells in full.groupby(["model", "task"]):
+    for _, cells in full.groupby(["model", "task"]):
         have = sort_stages(cells["stage"].unique())
         source = cells[cells["stage"].eq(have[0])]
         copies += [source.assign(stage=stage) for stage in stages if stage not in have]

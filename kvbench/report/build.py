@@ -3,6 +3,7 @@
 Partial sweeps are the normal case while a sweep runs, so gaps and failures are reported
 (in report.md and on stderr) instead of stopping the report.
 """
+
 from __future__ import annotations
 
 import re

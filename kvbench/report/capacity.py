@@ -3,6 +3,7 @@
 Rows of ``experiment=capacity`` cells (``kind`` "capacity", one per probed batch size) give, per model, task,
 stage, policy and budget, the largest batch that fit the cap and the decode tokens/s there.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,9 +45,10 @@ def capacity_figures(rows: pd.DataFrame, out_dir: Path) -> list[str]:
     lines, gib = [], sorted(cells["capacity_memory_gib"].unique())
     for (model, task, stage), group in cells.groupby(["model", "task", "stage"]):
         tag = f"{model}_{task}_{stage}".replace("/", "-")
-        for column, stem, label in (("decode_tokens_per_s", "capacity_tokens_per_s_vs_budget",
-                                     "decode tokens/s at the largest batch"),
-                                    ("max_batch", "capacity_max_batch_vs_budget", "largest batch that fits")):
+        for column, stem, label in (
+            ("decode_tokens_per_s", "capacity_tokens_per_s_vs_budget", "decode tokens/s at the largest batch"),
+            ("max_batch", "capacity_max_batch_vs_budget", "largest batch that fits"),
+        ):
             fig = Figure(figsize=(SINGLE_COLUMN_IN, 2.4), layout="constrained")
             _budget_axis(fig, group, column, label)
             fig.suptitle(f"{model}, {task}, {stage}: cap {gib[0]:g} GiB")
@@ -54,14 +56,20 @@ def capacity_figures(rows: pd.DataFrame, out_dir: Path) -> list[str]:
             lines.append(f"![{label}]({stem}_{tag}.png)")
         fig = Figure(figsize=(SINGLE_COLUMN_IN, 2.4), layout="constrained")
         ax = fig.subplots()
-        probes = rows[rows["model"].eq(model) & rows["task"].eq(task) & rows["stage"].eq(stage)
-                      & rows["fits"].astype(bool)]
+        probes = rows[
+            rows["model"].eq(model) & rows["task"].eq(task) & rows["stage"].eq(stage) & rows["fits"].astype(bool)
+        ]
         for (policy, budget), part in probes.groupby(["policy", "budget_value"]):
             part = part.sort_values("capacity_batch")
             style = policy_style(policy)
-            ax.plot(part["capacity_batch"], part["decode_tokens_per_s"], marker=style.marker, color=style.color,
-                    linestyle="--" if policy == BASELINE else "-",
-                    label=policy if policy == BASELINE else f"{policy} {budget * 100:g}%")
+            ax.plot(
+                part["capacity_batch"],
+                part["decode_tokens_per_s"],
+                marker=style.marker,
+                color=style.color,
+                linestyle="--" if policy == BASELINE else "-",
+                label=policy if policy == BASELINE else f"{policy} {budget * 100:g}%",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("decode tokens/s")
@@ -69,8 +77,13 @@ def capacity_figures(rows: pd.DataFrame, out_dir: Path) -> list[str]:
         save_figure(fig, out_dir, f"capacity_tokens_per_s_vs_batch_{tag}")
         lines.append(f"![decode tokens/s against batch](capacity_tokens_per_s_vs_batch_{tag}.png)")
     table = cells.assign(budget=(cells["budget_value"] * 100).map(lambda v: f"{v:g}%"))
-    lines += ["", "| model | task | stage | policy | budget | largest batch | decode tokens/s there |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r.model} | {r.task} | {r.stage} | {r.policy} | {r.budget} | {r.max_batch} | "
-              f"{r.decode_tokens_per_s:.1f} |" for r in table.itertuples()]
+    lines += [
+        "",
+        "| model | task | stage | policy | budget | largest batch | decode tokens/s there |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r.model} | {r.task} | {r.stage} | {r.policy} | {r.budget} | {r.max_batch} | {r.decode_tokens_per_s:.1f} |"
+        for r in table.itertuples()
+    ]
     return lines

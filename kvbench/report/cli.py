@@ -1,4 +1,5 @@
 """``kvbench-report RESULTS_DIR... [--out DIR] [--metric NAME]``: the command-line entry point."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Figures, tables and report.md from every rows.jsonl under the given result directories.",
     )
     parser.add_argument("results", nargs="+", type=Path, metavar="RESULTS_DIR")
-    parser.add_argument("--out", type=Path, help="output directory (default: RESULTS_DIR/report for one "
-                        "directory, ./report for several)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="output directory (default: RESULTS_DIR/report for one directory, ./report for several)",
+    )
     parser.add_argument("--metric", help="metric to plot instead of each task's primary metric, e.g. fidelity_kl")
     parser.add_argument("--bootstrap", type=int, default=N_BOOT, help="bootstrap resamples per cell")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")

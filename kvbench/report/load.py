@@ -3,6 +3,7 @@
 Runs are killed mid-write and sweeps are split across directories, so reading must tolerate a
 torn last line, the same file reached twice, and the same example recorded twice (a retry).
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ Figures are made with ``matplotlib.figure.Figure`` (no pyplot): no GUI backend i
 global figure registry grows, and PNGs are rendered by Agg. Every data line carries the raw policy
 name as its ``gid`` so tests and tools can find it without parsing labels.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -55,8 +56,13 @@ def _finish(
         ncols = max(1, min(len(names), int(fig.get_figwidth() // column_in)))
         fig.set_figheight(fig.get_figheight() + LEGEND_ROW_IN * -(-len(names) // ncols))
         fig.legend(
-            [handles[n] for n in names], labels, loc="outside lower center", ncols=ncols, frameon=False,
-            handlelength=1.8, columnspacing=1.0,
+            [handles[n] for n in names],
+            labels,
+            loc="outside lower center",
+            ncols=ncols,
+            frameon=False,
+            handlelength=1.8,
+            columnspacing=1.0,
         )
 
 
@@ -94,9 +100,7 @@ def _draw_budget_panel(ax: Axes, panel: pd.DataFrame, handles: dict[str, Artist]
         handles.setdefault(policy, bars)
 
 
-def budget_figure(
-    stats: pd.DataFrame, stage: str, ylabel: str, titles: Mapping[str, str] | None = None
-) -> Figure:
+def budget_figure(stats: pd.DataFrame, stage: str, ylabel: str, titles: Mapping[str, str] | None = None) -> Figure:
     """One quantity against achieved budget: a line per policy, the full cache dashed, per model x task.
 
     ``stats`` is ``cell_stats`` restricted to one quantity; the grid spans every model and task in
@@ -145,16 +149,33 @@ def pareto_figure(
                 style = policy_style(policy)
                 cells = panel[panel["policy"].eq(policy)].sort_values("cost")
                 (line,) = ax.plot(
-                    cells["cost"], cells["y"], ls="none", marker=style.marker, color=style.color,
-                    label=style.label, gid=policy, zorder=style.zorder,
+                    cells["cost"],
+                    cells["y"],
+                    ls="none",
+                    marker=style.marker,
+                    color=style.color,
+                    label=style.label,
+                    gid=policy,
+                    zorder=style.zorder,
                 )
                 handles.setdefault(policy, line)
             if panel.empty:
                 continue
             front = panel[pareto_mask(panel["cost"], panel["y"], higher_is_better.get(task, True))].sort_values("cost")
             (line,) = ax.plot(
-                front["cost"], front["y"], drawstyle="steps-post", color="0.3", lw=0.8, marker="o", ms=7,
-                mfc="none", mec="0.1", mew=0.7, label="Pareto frontier", gid=FRONTIER, zorder=1,
+                front["cost"],
+                front["y"],
+                drawstyle="steps-post",
+                color="0.3",
+                lw=0.8,
+                marker="o",
+                ms=7,
+                mfc="none",
+                mec="0.1",
+                mew=0.7,
+                label="Pareto frontier",
+                gid=FRONTIER,
+                zorder=1,
             )
             handles.setdefault(FRONTIER, line)
         _finish(fig, axes, models, xlabel, ylabel, handles)

@@ -3,6 +3,7 @@
 A reader compares figures side by side, so a policy must look the same everywhere; names the
 table does not know get a style derived from a hash of the name, which is stable across runs.
 """
+
 from __future__ import annotations
 
 import zlib

@@ -3,6 +3,7 @@
 Markdown bolds the best policy per budget column, respecting lower-is-better metrics; the full
 cache is the reference row and is never bolded.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,6 +27,7 @@ def format_value(value: float) -> str:
 
 def markdown_table(frame: pd.DataFrame) -> str:
     """A GitHub-flavoured markdown table of ``frame`` with its cells already as text."""
+
     def cell(value: object) -> str:
         return str(value).replace("|", "\\|").replace("\n", " ")
 

@@ -1,4 +1,3 @@
 """Tasks register themselves on import; importing this package makes every one available."""
-from kvbench.tasks import jsonl, retrieval  # noqa: F401
-from kvbench.tasks import longbench, summarization  # noqa: F401
-from kvbench.tasks import instructions, perplexity  # noqa: F401
+
+from kvbench.tasks import instructions, jsonl, longbench, perplexity, retrieval, summarization  # noqa: F401  # noqa: F401  # noqa: F401

@@ -3,6 +3,7 @@
 A task knows nothing about caches or policies; the runner hands it a tokenizer and takes back
 token ids, then hands it the generated text and takes back a dict of metric values.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -63,6 +64,7 @@ class Task(ABC):
 
     def validate(self) -> None:
         """Cheap checks (files exist, options make sense) run before any model loads."""
+        return None
 
     def generation(self, example: Example) -> GenerationSettings:
         """Per-example generation settings; most tasks use one for all."""
@@ -72,8 +74,9 @@ class Task(ABC):
         """Clean a raw generation before scoring (first-line cuts and the like)."""
         return text
 
-    def evaluate(self, lm: Any, spec: Any, example: Example, prompt: RenderedPrompt,
-                 references: Any) -> dict[str, Any] | None:
+    def evaluate(
+        self, lm: Any, spec: Any, example: Example, prompt: RenderedPrompt, references: Any
+    ) -> dict[str, Any] | None:
         """A task's own evaluation path, for tasks that are not "generate, then score" (perplexity).
 
         The runner calls it first; ``None`` (the default) means the usual generation path. Otherwise

@@ -5,6 +5,7 @@ hub's field names: ``DIR/<split>.jsonl`` for xsum and cnn_dailymail, ``DIR/<subs
 LongBench (whose only split is ``test``). Rendering turns "context part + question part" into token
 ids: chat template, middle truncation, and the context/question split the engine compresses around.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,27 @@ SUMMARIZATION_HUB: dict[str, tuple[str, str | None]] = {
 LONGBENCH_REPO = "THUDM/LongBench"
 LONGBENCH_ARCHIVE = "data.zip"
 LONGBENCH_SUBSETS = (
-    "narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique",
-    "dureader", "gov_report", "qmsum", "multi_news", "vcsum", "trec", "triviaqa", "samsum", "lsht",
-    "passage_count", "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p",
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "multifieldqa_zh",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "dureader",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "vcsum",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "lsht",
+    "passage_count",
+    "passage_retrieval_en",
+    "passage_retrieval_zh",
+    "lcc",
+    "repobench-p",
 )
 HUB_PROBE_TIMEOUT_S = 5.0
 
@@ -36,8 +55,9 @@ HUB_PROBE_TIMEOUT_S = 5.0
 # ---------------------------------------------------------------- records
 
 
-def load_records(dataset: str, split: str = "test", data_dir: str | Path | None = None,
-                 subset: str | None = None) -> list[dict[str, Any]]:
+def load_records(
+    dataset: str, split: str = "test", data_dir: str | Path | None = None, subset: str | None = None
+) -> list[dict[str, Any]]:
     """All rows of one split (``dataset`` is ``xsum``, ``cnn_dailymail`` or ``longbench``)."""
     label, stem = _describe(dataset, split, subset)
     if data_dir is not None:
@@ -54,8 +74,9 @@ def load_records(dataset: str, split: str = "test", data_dir: str | Path | None 
         raise _missing(label, stem, f"{type(err).__name__}: {err}") from err
 
 
-def check_records(dataset: str, split: str = "test", data_dir: str | Path | None = None,
-                  subset: str | None = None) -> None:
+def check_records(
+    dataset: str, split: str = "test", data_dir: str | Path | None = None, subset: str | None = None
+) -> None:
     """Cheap check, reading no data: valid names, and the local file exists or the hub answers."""
     label, stem = _describe(dataset, split, subset)
     if data_dir is not None:
@@ -82,7 +103,8 @@ def _local_file(data_dir: str | Path, label: str, stem: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(
             f"{label}: {path} does not exist. Set task.data_dir=... to a folder holding {stem}.jsonl "
-            "(one JSON object a line, hub field names).")
+            "(one JSON object a line, hub field names)."
+        )
     return path
 
 
@@ -90,7 +112,8 @@ def _missing(label: str, stem: str, why: str) -> FileNotFoundError:
     return FileNotFoundError(
         f"{label}: cannot load it from the Hugging Face hub ({why}). Set task.data_dir=... to a folder "
         f"holding {stem}.jsonl (one JSON object a line, hub field names), or set HF_HUB_OFFLINE=1 to "
-        "use a copy already in the hub cache.")
+        "use a copy already in the hub cache."
+    )
 
 
 def _require_hub(label: str, stem: str) -> None:
@@ -159,8 +182,9 @@ def _hub_reachable() -> bool:
 # ---------------------------------------------------------------- rendering
 
 
-def render_prompt(tokenizer: Any, context_part: str, question_part: str, *, chat: bool,
-                  max_prompt_tokens: int | None) -> RenderedPrompt:
+def render_prompt(
+    tokenizer: Any, context_part: str, question_part: str, *, chat: bool, max_prompt_tokens: int | None
+) -> RenderedPrompt:
     """Token ids of ``context_part + question_part`` as one user turn.
 
     With a non-empty ``question_part`` the ids are split where it starts: ``suffix_ids`` hold the
@@ -170,8 +194,9 @@ def render_prompt(tokenizer: Any, context_part: str, question_part: str, *, chat
     """
     text = context_part + question_part
     if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         # Templates may trim the content; the split point is where the question's text starts.
         split_at = text.rfind(question_part.strip()) if question_part.strip() else len(text)
         if split_at < 0:
@@ -208,9 +233,17 @@ class DatasetTask(Task):
 
     subset: str | None = None
 
-    def __init__(self, split: str = "test", n: int | None = 20, seed: int = 0, data_dir: str | None = None,
-                 max_prompt_tokens: int | None = 3500, max_new_tokens: int | None = None,
-                 chat_template: bool = True, question_aware: bool = True) -> None:
+    def __init__(
+        self,
+        split: str = "test",
+        n: int | None = 20,
+        seed: int = 0,
+        data_dir: str | None = None,
+        max_prompt_tokens: int | None = 3500,
+        max_new_tokens: int | None = None,
+        chat_template: bool = True,
+        question_aware: bool = True,
+    ) -> None:
         self.split = split
         self.n = n
         self.seed = seed
@@ -235,8 +268,9 @@ class DatasetTask(Task):
         rows = self.records()
         return [self.make_example(rows[i], i) for i in sample_indices(len(rows), self.n, self.seed)]
 
-    def compose(self, example_id: str, context_part: str, question_part: str, references: list[str],
-                meta: dict[str, Any]) -> Example:
+    def compose(
+        self, example_id: str, context_part: str, question_part: str, references: list[str], meta: dict[str, Any]
+    ) -> Example:
         """The user text is always ``prompt + question``; ``question`` is set only when it is fed apart."""
         if self.question_aware:
             return Example(id=example_id, prompt=context_part + question_part, references=references, meta=meta)
@@ -246,5 +280,10 @@ class DatasetTask(Task):
         return bool(self.chat_template and getattr(tokenizer, "chat_template", None))
 
     def render(self, example: Example, tokenizer: Any) -> RenderedPrompt:
-        return render_prompt(tokenizer, example.prompt, example.question,
-                             chat=self.uses_chat(example, tokenizer), max_prompt_tokens=self.max_prompt_tokens)
+        return render_prompt(
+            tokenizer,
+            example.prompt,
+            example.question,
+            chat=self.uses_chat(example, tokenizer),
+            max_prompt_tokens=self.max_prompt_tokens,
+        )

@@ -6,6 +6,7 @@ They have no reference answers: the score is how closely a compressed cache repr
 cache's own answer (``fidelity_rougeL``, plus next-token agreement and KL), so this task is meant
 for ``stage=decode`` or ``both``, where the cache fills up with the model's own output.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,15 @@ BUILTIN_PROMPTS = Path(__file__).resolve().parent / "data" / "instructions.jsonl
 class InstructionsTask(Task):
     primary_metric = "fidelity_rougeL"
 
-    def __init__(self, path: str | None = None, n: int | None = None, seed: int = 0, max_new_tokens: int = 256,
-                 chat_template: bool = True, categories: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | None = None,
+        n: int | None = None,
+        seed: int = 0,
+        max_new_tokens: int = 256,
+        chat_template: bool = True,
+        categories: list[str] | None = None,
+    ) -> None:
         self.path = path or str(BUILTIN_PROMPTS)
         self.n, self.seed = n, int(seed)
         self.max_new_tokens = int(max_new_tokens)

@@ -1,4 +1,5 @@
 """The user's own prompts from a JSONL file: ``id``, ``prompt`` and an optional ``reference`` per line."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,14 @@ def read_prompts(path: str | Path) -> list[Example]:
             raise ValueError(f"{path}:{number}: every line needs a 'prompt' field")
         reference = record.get("reference")
         meta = {k: v for k, v in record.items() if k not in ("id", "prompt", "reference")}
-        out.append(Example(id=str(record.get("id", number)), prompt=record["prompt"],
-                           references=[reference] if reference else [], meta=meta))
+        out.append(
+            Example(
+                id=str(record.get("id", number)),
+                prompt=record["prompt"],
+                references=[reference] if reference else [],
+                meta=meta,
+            )
+        )
     return out
 
 
@@ -33,8 +40,15 @@ def read_prompts(path: str | Path) -> list[Example]:
 class JsonlTask(Task):
     primary_metric = "rougeL"
 
-    def __init__(self, path: str | None = None, chat_template: bool = True, n: int | None = None,
-                 max_new_tokens: int = 64, max_prompt_tokens: int | None = None, **_: Any):
+    def __init__(
+        self,
+        path: str | None = None,
+        chat_template: bool = True,
+        n: int | None = None,
+        max_new_tokens: int = 64,
+        max_prompt_tokens: int | None = None,
+        **_: Any,
+    ):
         if not path:
             raise ValueError("task=jsonl needs task.path=<file.jsonl>")
         self.path, self.chat_template, self.n = path, chat_template, n

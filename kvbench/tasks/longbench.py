@@ -5,6 +5,7 @@ or not, samsum's newline stop) as THUDM/LongBench has it; the prompt wording is 
 Each prompt is ``head + context`` then ``tail`` (with the row's ``input`` in it), and the tail is
 what ``question_aware=false`` feeds after the context has been compressed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,53 +34,123 @@ _PASSAGES = f"Use the passages below to answer the question that follows them. {
 _NEXT_LINE = "\n\nWrite only the next line of the code.\n"
 
 SUBSETS: dict[str, Subset] = {
-    "narrativeqa": Subset("qa_f1_score", 128,
-                          "Read the story below (a book or a film script), then answer the question after it "
-                          "with a short phrase. Do not explain.\n\nStory:\n", _QA_TAIL),
-    "qasper": Subset("qa_f1_score", 128,
-                     "Read the research paper below, then answer the question after it as briefly as you can. "
-                     "Reply \"unanswerable\" if the paper does not say; answer a yes/no question with \"yes\", "
-                     "\"no\" or \"unanswerable\".\n\nPaper:\n", _QA_TAIL),
-    "multifieldqa_en": Subset("qa_f1_score", 64,
-                              f"Read the text below, then answer the question after it. {_ANSWER_ONLY}\n\n"
-                              "Text:\n", _QA_TAIL),
-    "multifieldqa_zh": Subset("qa_f1_zh_score", 64, "阅读下面的文字，然后回答后面的问题。只写出答案，不要解释。\n\n文字：\n",
-                              "\n\n问题：{input}\n答案："),
+    "narrativeqa": Subset(
+        "qa_f1_score",
+        128,
+        "Read the story below (a book or a film script), then answer the question after it "
+        "with a short phrase. Do not explain.\n\nStory:\n",
+        _QA_TAIL,
+    ),
+    "qasper": Subset(
+        "qa_f1_score",
+        128,
+        "Read the research paper below, then answer the question after it as briefly as you can. "
+        'Reply "unanswerable" if the paper does not say; answer a yes/no question with "yes", '
+        '"no" or "unanswerable".\n\nPaper:\n',
+        _QA_TAIL,
+    ),
+    "multifieldqa_en": Subset(
+        "qa_f1_score",
+        64,
+        f"Read the text below, then answer the question after it. {_ANSWER_ONLY}\n\nText:\n",
+        _QA_TAIL,
+    ),
+    "multifieldqa_zh": Subset(
+        "qa_f1_zh_score",
+        64,
+        "阅读下面的文字，然后回答后面的问题。只写出答案，不要解释。\n\n文字：\n",
+        "\n\n问题：{input}\n答案：",
+    ),
     "hotpotqa": Subset("qa_f1_score", 32, _PASSAGES, _QA_TAIL),
     "2wikimqa": Subset("qa_f1_score", 32, _PASSAGES, _QA_TAIL),
     "musique": Subset("qa_f1_score", 32, _PASSAGES, _QA_TAIL),
-    "dureader": Subset("rouge_zh_score", 128, "下面是几篇文章，请根据它们简洁地回答后面的问题。\n\n", "\n\n问题：{input}\n回答："),
-    "gov_report": Subset("rouge_score", 512, "Below is a report by a government agency.\n\nReport:\n",
-                         "\n\nSummarise the report above in about a page.\n\nSummary:"),
-    "qmsum": Subset("rouge_score", 512, "Below is the transcript of a meeting.\n\nTranscript:\n",
-                    "\n\nAnswer this query about the meeting in a few sentences: {input}\n\nAnswer:"),
-    "multi_news": Subset("rouge_score", 512, "Below are several news articles about one story.\n\nArticles:\n",
-                         "\n\nSummarise all of the articles above together in about a page.\n\nSummary:"),
-    "vcsum": Subset("rouge_zh_score", 512, "下面是一次会议的文字记录。\n\n会议记录：\n", "\n\n请用一段话概括上面的会议内容。\n\n会议概括："),
-    "trec": Subset("classification_score", 64,
-                   "Say what type of answer each question asks for. Labelled examples:\n\n", "\n{input}",
-                   chat=False, first_line=True),
-    "triviaqa": Subset("qa_f1_score", 32,
-                       "Answer the last question from its passage, as in the examples. Examples:\n\n", "\n{input}",
-                       chat=False, first_line=True),
-    "samsum": Subset("rouge_score", 128, "Summarise the last dialogue in one sentence, as in the examples.\n\n",
-                     "\n{input}", chat=False, first_line=True, stop_strings=("\n",)),
-    "lsht": Subset("classification_score", 64, "判断最后一则新闻属于哪个类别。下面是一些已标注的例子。\n\n", "\n{input}",
-                   chat=False, first_line=True),
-    "passage_count": Subset("count_score", 32,
-                            "Below are numbered paragraphs; some of them are repeats of others.\n\n",
-                            "\n\nHow many different paragraphs are there, once repeats are removed? "
-                            "Reply with a single number.\n\nAnswer:"),
-    "passage_retrieval_en": Subset("retrieval_score", 32,
-                                   "Below are numbered paragraphs, then the abstract of one of them.\n\n",
-                                   "\n\nAbstract: {input}\n\nWhich paragraph does this abstract describe? Reply in "
-                                   "the form \"Paragraph 7\".\n\nAnswer:"),
-    "passage_retrieval_zh": Subset("retrieval_zh_score", 32, "下面是一些编号的段落，之后是其中一段的摘要。\n\n",
-                                   "\n\n摘要：{input}\n\n这段摘要描述的是哪一段？请按“段落7”的格式回答。\n\n答案："),
+    "dureader": Subset(
+        "rouge_zh_score", 128, "下面是几篇文章，请根据它们简洁地回答后面的问题。\n\n", "\n\n问题：{input}\n回答："
+    ),
+    "gov_report": Subset(
+        "rouge_score",
+        512,
+        "Below is a report by a government agency.\n\nReport:\n",
+        "\n\nSummarise the report above in about a page.\n\nSummary:",
+    ),
+    "qmsum": Subset(
+        "rouge_score",
+        512,
+        "Below is the transcript of a meeting.\n\nTranscript:\n",
+        "\n\nAnswer this query about the meeting in a few sentences: {input}\n\nAnswer:",
+    ),
+    "multi_news": Subset(
+        "rouge_score",
+        512,
+        "Below are several news articles about one story.\n\nArticles:\n",
+        "\n\nSummarise all of the articles above together in about a page.\n\nSummary:",
+    ),
+    "vcsum": Subset(
+        "rouge_zh_score",
+        512,
+        "下面是一次会议的文字记录。\n\n会议记录：\n",
+        "\n\n请用一段话概括上面的会议内容。\n\n会议概括：",
+    ),
+    "trec": Subset(
+        "classification_score",
+        64,
+        "Say what type of answer each question asks for. Labelled examples:\n\n",
+        "\n{input}",
+        chat=False,
+        first_line=True,
+    ),
+    "triviaqa": Subset(
+        "qa_f1_score",
+        32,
+        "Answer the last question from its passage, as in the examples. Examples:\n\n",
+        "\n{input}",
+        chat=False,
+        first_line=True,
+    ),
+    "samsum": Subset(
+        "rouge_score",
+        128,
+        "Summarise the last dialogue in one sentence, as in the examples.\n\n",
+        "\n{input}",
+        chat=False,
+        first_line=True,
+        stop_strings=("\n",),
+    ),
+    "lsht": Subset(
+        "classification_score",
+        64,
+        "判断最后一则新闻属于哪个类别。下面是一些已标注的例子。\n\n",
+        "\n{input}",
+        chat=False,
+        first_line=True,
+    ),
+    "passage_count": Subset(
+        "count_score",
+        32,
+        "Below are numbered paragraphs; some of them are repeats of others.\n\n",
+        "\n\nHow many different paragraphs are there, once repeats are removed? Reply with a single number.\n\nAnswer:",
+    ),
+    "passage_retrieval_en": Subset(
+        "retrieval_score",
+        32,
+        "Below are numbered paragraphs, then the abstract of one of them.\n\n",
+        "\n\nAbstract: {input}\n\nWhich paragraph does this abstract describe? Reply in "
+        'the form "Paragraph 7".\n\nAnswer:',
+    ),
+    "passage_retrieval_zh": Subset(
+        "retrieval_zh_score",
+        32,
+        "下面是一些编号的段落，之后是其中一段的摘要。\n\n",
+        "\n\n摘要：{input}\n\n这段摘要描述的是哪一段？请按“段落7”的格式回答。\n\n答案：",
+    ),
     "lcc": Subset("code_sim_score", 64, "Complete the code below.\n\n", _NEXT_LINE, chat=False),
-    "repobench-p": Subset("code_sim_score", 64,
-                          "Complete the code below. Related files from the same repository come first.\n\n",
-                          "\n{input}" + _NEXT_LINE, chat=False),
+    "repobench-p": Subset(
+        "code_sim_score",
+        64,
+        "Complete the code below. Related files from the same repository come first.\n\n",
+        "\n{input}" + _NEXT_LINE,
+        chat=False,
+    ),
 }
 
 
@@ -97,8 +168,13 @@ class LongBench(DatasetTask):
         self.spec = SUBSETS[subset]
 
     def make_example(self, record: dict[str, Any], index: int) -> Example:
-        meta = {"index": index, "subset": self.subset, "all_classes": record.get("all_classes"),
-                "length": record.get("length"), "language": record.get("language")}
+        meta = {
+            "index": index,
+            "subset": self.subset,
+            "all_classes": record.get("all_classes"),
+            "length": record.get("length"),
+            "language": record.get("language"),
+        }
         return self.compose(
             record.get("_id") or f"{self.subset}-{index}",
             self.spec.head + record["context"],
@@ -111,13 +187,15 @@ class LongBench(DatasetTask):
         return self.spec.chat and super().uses_chat(example, tokenizer)
 
     def generation(self, example: Example) -> GenerationSettings:
-        return GenerationSettings(max_new_tokens=self.max_new_tokens or self.spec.max_new_tokens,
-                                  stop_strings=list(self.spec.stop_strings))
+        return GenerationSettings(
+            max_new_tokens=self.max_new_tokens or self.spec.max_new_tokens, stop_strings=list(self.spec.stop_strings)
+        )
 
     def postprocess(self, text: str, example: Example) -> str:
         return first_line(text) if self.spec.first_line else text
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
-        value = best_over_references(METRICS[self.spec.metric], prediction, example.references,
-                                     example.meta.get("all_classes"))
+        value = best_over_references(
+            METRICS[self.spec.metric], prediction, example.references, example.meta.get("all_classes")
+        )
         return {"score": value, self.spec.metric: value}

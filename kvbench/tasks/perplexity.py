@@ -18,6 +18,7 @@ CNN/DailyMail ``article``), read by the same loader (hub, or ``data_dir`` of JSO
 JSONL file of ``{"text": ...}`` lines (``dataset=jsonl path=...``). The default is LongBench
 gov_report, whose reports are far longer than the default 1024 + 256 tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,9 +48,19 @@ class ScoredText(RenderedPrompt):
 class PerplexityTask(Task):
     primary_metric = "perplexity"  # lower is better
 
-    def __init__(self, dataset: str = "longbench", subset: str | None = "gov_report", split: str = "test",
-                 data_dir: str | None = None, path: str | None = None, text_field: str | None = None,
-                 n: int | None = 8, seed: int = 0, prefix_tokens: int = 1024, score_tokens: int = 256) -> None:
+    def __init__(
+        self,
+        dataset: str = "longbench",
+        subset: str | None = "gov_report",
+        split: str = "test",
+        data_dir: str | None = None,
+        path: str | None = None,
+        text_field: str | None = None,
+        n: int | None = 8,
+        seed: int = 0,
+        prefix_tokens: int = 1024,
+        score_tokens: int = 256,
+    ) -> None:
         if dataset not in TEXT_FIELDS:
             raise ValueError(f"task.dataset={dataset!r} is unknown; choose one of {sorted(TEXT_FIELDS)}")
         if dataset == "jsonl" and not path:
@@ -85,8 +96,10 @@ class PerplexityTask(Task):
                 doc_id = record.get("_id") or record.get("id") or f"{label}-{index}"
                 docs.append(Example(id=str(doc_id), prompt=text, meta={"index": index}))
         if not docs:
-            raise ValueError(f"no {label} document has the {need} characters that {self.prefix_tokens} + "
-                             f"{self.score_tokens} tokens need; lower task.prefix_tokens or task.score_tokens")
+            raise ValueError(
+                f"no {label} document has the {need} characters that {self.prefix_tokens} + "
+                f"{self.score_tokens} tokens need; lower task.prefix_tokens or task.score_tokens"
+            )
         return [docs[i] for i in sample_indices(len(docs), self.n, self.seed)]
 
     def render(self, example: Example, tokenizer: Any) -> ScoredText:
@@ -106,8 +119,7 @@ class PerplexityTask(Task):
     def score(self, prediction: str, example: Example) -> dict[str, float]:
         raise NotImplementedError("perplexity is scored in evaluate(), not from generated text")
 
-    def evaluate(self, lm: Any, spec: Any, example: Example, prompt: RenderedPrompt,
-                 references: Any) -> dict[str, Any]:
+    def evaluate(self, lm: Any, spec: Any, example: Example, prompt: RenderedPrompt, references: Any) -> dict[str, Any]:
         from kvbench.engine.generate import DecodeSettings, generate
         from kvbench.fidelity import forced_reference, prompt_hash, reference_key
         from kvbench.metrics.fidelity import kl_divergence, token_nll, top1_agreement, topk_mass
@@ -116,12 +128,24 @@ class PerplexityTask(Task):
             raise ValueError(f"example {example.id}: nothing to score (the text is too short)")
         targets = prompt.targets
         settings = DecodeSettings(max_new_tokens=len(targets), seed=spec.seed)
-        key = reference_key("teacher_forced", lm, spec, example.id,
-                            prompt_hash(prompt.input_ids, [], targets), settings)
+        key = reference_key(
+            "teacher_forced", lm, spec, example.id, prompt_hash(prompt.input_ids, [], targets), settings
+        )
         ref = references.get_or_create(
-            key, lambda: forced_reference(lm, prompt.input_ids, targets, settings, spec.stride))
-        g = generate(lm.model, lm.tokenizer, prompt.input_ids, spec.policy, spec.budget, spec.stage, settings,
-                     stride=spec.stride, forced_tokens=targets, return_logits=True)
+            key, lambda: forced_reference(lm, prompt.input_ids, targets, settings, spec.stride)
+        )
+        g = generate(
+            lm.model,
+            lm.tokenizer,
+            prompt.input_ids,
+            spec.policy,
+            spec.budget,
+            spec.stage,
+            settings,
+            stride=spec.stride,
+            forced_tokens=targets,
+            return_logits=True,
+        )
         nll = float(token_nll(g.logits, targets).mean())
         nll_full = float(sum(ref.nll) / len(ref.nll))
         perplexity, perplexity_full = math.exp(nll), math.exp(nll_full)

@@ -1,4 +1,5 @@
 """Shared prompt helpers: chat templating and middle truncation, so every task renders the same way."""
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,9 @@ def render_ids(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
         name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         if name not in _NO_TEMPLATE_LOGGED:
             _NO_TEMPLATE_LOGGED.add(name)
-            log.info("tokenizer %s has no chat template: prompts are fed as plain text with its own special tokens",
-                     name)
+            log.info(
+                "tokenizer %s has no chat template: prompts are fed as plain text with its own special tokens", name
+            )
     return list(tokenizer(text)["input_ids"])
 
 
@@ -46,4 +48,4 @@ def truncate_middle(ids: list[int], max_tokens: int | None) -> tuple[list[int], 
     if max_tokens is None or len(ids) <= max_tokens:
         return ids, False
     head = max_tokens // 2
-    return ids[:head] + ids[len(ids) - (max_tokens - head):], True
+    return ids[:head] + ids[len(ids) - (max_tokens - head) :], True

@@ -1,7 +1,9 @@
 """Name -> task class. A new task is one module that decorates its class, plus a config file."""
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvbench.tasks.base import Task
 

@@ -3,6 +3,7 @@
 It needs no download, its difficulty is set by the context length and the needle's depth, and its
 answer is unambiguous, so it isolates what an eviction policy forgets.
 """
+
 from __future__ import annotations
 
 import random
@@ -13,14 +14,54 @@ from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task
 from kvbench.tasks.prompting import encode, render_ids
 from kvbench.tasks.registry import register_task
 
-SUBJECTS = ["The river", "A lantern", "The old mill", "Every harbour", "The orchard", "A quiet street",
-            "The library", "Morning fog", "The north road", "A copper kettle", "The market", "Winter light"]
-VERBS = ["drifts past", "waits beside", "leans toward", "hums near", "settles over", "turns around",
-         "rests under", "glows behind", "winds through", "looks across"]
-OBJECTS = ["the stone bridge", "a field of barley", "the sleeping town", "the red barn", "an empty pier",
-           "the chapel bell", "a row of poplars", "the school yard", "the salt marsh", "a wooden gate"]
-CODA = ["as the day goes on.", "without a sound.", "and nobody minds.", "for a while.", "once again.",
-        "under a grey sky.", "before the rain.", "in the usual way."]
+SUBJECTS = [
+    "The river",
+    "A lantern",
+    "The old mill",
+    "Every harbour",
+    "The orchard",
+    "A quiet street",
+    "The library",
+    "Morning fog",
+    "The north road",
+    "A copper kettle",
+    "The market",
+    "Winter light",
+]
+VERBS = [
+    "drifts past",
+    "waits beside",
+    "leans toward",
+    "hums near",
+    "settles over",
+    "turns around",
+    "rests under",
+    "glows behind",
+    "winds through",
+    "looks across",
+]
+OBJECTS = [
+    "the stone bridge",
+    "a field of barley",
+    "the sleeping town",
+    "the red barn",
+    "an empty pier",
+    "the chapel bell",
+    "a row of poplars",
+    "the school yard",
+    "the salt marsh",
+    "a wooden gate",
+]
+CODA = [
+    "as the day goes on.",
+    "without a sound.",
+    "and nobody minds.",
+    "for a while.",
+    "once again.",
+    "under a grey sky.",
+    "before the rain.",
+    "in the usual way.",
+]
 
 
 def filler_sentence(rng: random.Random) -> str:
@@ -33,9 +74,18 @@ class RetrievalTask(Task):
 
     primary_metric = "accuracy"
 
-    def __init__(self, n: int = 10, seed: int = 0, context_tokens: int = 1024, depths: list[float] | None = None,
-                 needle: str = "passkey", n_pairs: int = 4, chat_template: bool = True,
-                 max_new_tokens: int = 12, **_: Any):
+    def __init__(
+        self,
+        n: int = 10,
+        seed: int = 0,
+        context_tokens: int = 1024,
+        depths: list[float] | None = None,
+        needle: str = "passkey",
+        n_pairs: int = 4,
+        chat_template: bool = True,
+        max_new_tokens: int = 12,
+        **_: Any,
+    ):
         if needle not in ("passkey", "kv"):
             raise ValueError(f"task.needle must be 'passkey' or 'kv', not {needle!r}")
         self.n, self.seed, self.context_tokens = int(n), int(seed), int(context_tokens)
@@ -53,14 +103,23 @@ class RetrievalTask(Task):
                 needle = f"The passkey is {value}. Remember it. {value} is the passkey."
                 question = "What is the passkey? Answer with the number only."
             else:
-                keys = [f"{rng.choice(SUBJECTS).split()[-1].lower()}-{rng.randint(100, 999)}" for _ in range(self.n_pairs)]
+                keys = [
+                    f"{rng.choice(SUBJECTS).split()[-1].lower()}-{rng.randint(100, 999)}" for _ in range(self.n_pairs)
+                ]
                 values = [str(rng.randint(10000, 99999)) for _ in keys]
                 target = rng.randrange(self.n_pairs)
                 value = values[target]
                 needle = " ".join(f"The value of key {k} is {v}." for k, v in zip(keys, values))
                 question = f"What is the value of key {keys[target]}? Answer with the number only."
-            out.append(Example(id=f"{self.needle}-{i}", prompt="", references=[value], question=question,
-                               meta={"depth": depth, "needle": needle, "rng_seed": f"{self.seed}-{i}"}))
+            out.append(
+                Example(
+                    id=f"{self.needle}-{i}",
+                    prompt="",
+                    references=[value],
+                    question=question,
+                    meta={"depth": depth, "needle": needle, "rng_seed": f"{self.seed}-{i}"},
+                )
+            )
         return out
 
     def render(self, example: Example, tokenizer: Any) -> RenderedPrompt:

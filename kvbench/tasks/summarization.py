@@ -3,6 +3,7 @@
 The instruction comes after the article, so with ``question_aware=false`` the policy compresses
 the article without knowing what will be asked of it.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -6,6 +6,7 @@ its new entries and returns the step's keys and values, [slots, heads, n, D]; th
 each key's visibility is (``CacheLayer.visible``) and hands its statistics back (``after_attention``); once every
 layer has attended, ``end_step`` evicts (a layer's cache is not read again before the next step).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,13 +16,13 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvbench.engine.cache import schedule
-from kvbench.engine.cache.layer import CacheLayer
 from kvbench.engine.cache.entries import STAT_NAMES, Entries
+from kvbench.engine.cache.layer import CacheLayer
 from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
 from kvbench.policies.base import Policy
-from kvbench.policies.state import TokenState
 from kvbench.policies.positions import Rotary, layer_rotaries
+from kvbench.policies.state import TokenState
 
 
 @dataclass
@@ -37,8 +38,16 @@ class KVCache(Cache):
     the largest they need in ``role``: "prefill" for the prompt, "decode" for generating, "both"). ``model`` is
     needed only for ``positions: reindex`` (its rotary embedding)."""
 
-    def __init__(self, plan_sets: list[list[LayerPlan]], policy: Policy, slots: int = 1, role: str = "both",
-                 seed: int = 0, device: torch.device | str = "cpu", model: Any = None):
+    def __init__(
+        self,
+        plan_sets: list[list[LayerPlan]],
+        policy: Policy,
+        slots: int = 1,
+        role: str = "both",
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        model: Any = None,
+    ):
         self.policy, self.slots, self.role, self.seed = policy, slots, role, seed
         self.device = torch.device(device)
         plans = plan_sets[0]
@@ -49,7 +58,9 @@ class KVCache(Cache):
                 raise ValueError("positions=reindex needs the model (its rotary embedding) to build the cache")
             self.rotaries = layer_rotaries(model)
         rotaries = self.rotaries or [None] * len(plans)
-        super().__init__(layers=[CacheLayer(self, i, plan, rotary) for i, (plan, rotary) in enumerate(zip(plans, rotaries))])
+        super().__init__(
+            layers=[CacheLayer(self, i, plan, rotary) for i, (plan, rotary) in enumerate(zip(plans, rotaries))]
+        )
         self.budgets: list[list[int | None]] = [[None] * slots for _ in plans]
         self.entries: Entries | None = None
         self.lo = self.hi = 0
@@ -69,8 +80,10 @@ class KVCache(Cache):
     def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype) -> None:
         """Buffers for every layer, from the shapes of one layer's keys and values."""
         caps = [self._capacity(l, heads) for l in range(len(self.layers))]
-        columns = sorted({n for l in range(len(self.layers)) for n in self.policy_of(l).needs if n in STAT_NAMES}
-                         | {n for l in range(len(self.layers)) for n in self.policy_of(l).feature_names})
+        columns = sorted(
+            {n for l in range(len(self.layers)) for n in self.policy_of(l).needs if n in STAT_NAMES}
+            | {n for l in range(len(self.layers)) for n in self.policy_of(l).feature_names}
+        )
         history = max(self.policy_of(l).history for l in range(len(self.layers)))
         self.entries = Entries(len(self.layers), self.slots, heads, max(caps), columns, history, self.device)
         self.shapes = (heads, k_dim, v_dim, dtype)
@@ -86,8 +99,15 @@ class KVCache(Cache):
             self.budgets[l][slot] = plan.budget
 
     # -- a step --------------------------------------------------------------------------------------------
-    def begin_step(self, lo: int, hi: int, positions: list[list[int]], evicting: bool, phase: str = "prefill",
-                   collecting: bool = True) -> torch.Tensor:
+    def begin_step(
+        self,
+        lo: int,
+        hi: int,
+        positions: list[list[int]],
+        evicting: bool,
+        phase: str = "prefill",
+        collecting: bool = True,
+    ) -> torch.Tensor:
         """Slots ``lo:hi`` are fed tokens at absolute ``positions`` (one list per slot, of one length). Returns
         the positions to feed the model [slots, q]: the same, or under ``positions: reindex`` each sequence's
         next contiguous positions after what it holds."""
@@ -124,8 +144,10 @@ class KVCache(Cache):
             self.allocate(h, key_states.shape[-1], value_states.shape[-1], key_states.dtype)
             self.query_positions = self._pending.repeat_interleave(h, dim=0)
         if (h, key_states.shape[-1], value_states.shape[-1]) != self.shapes[:3]:
-            raise ValueError(f"layer {l} has {h} KV heads of {key_states.shape[-1]} dims, unlike layer 0: kvbench's "
-                             "cache needs every layer alike")
+            raise ValueError(
+                f"layer {l} has {h} KV heads of {key_states.shape[-1]} dims, unlike layer 0: kvbench's "
+                "cache needs every layer alike"
+            )
         e, layer = self.entries, self.layers[l]
         if self._pending is not None:
             self.lengths_before = e.lengths[:, e.row_range(self.lo, self.hi)].clone() if self.rotaries else None
@@ -210,17 +232,20 @@ class KVCache(Cache):
         return schedule.layer_state(self, l, slot)
 
     # -- slots -----------------------------------------------------------------------------------------------
-    def copy_slot(self, source: "KVCache", src: int, dst: int) -> None:
+    def copy_slot(self, source: KVCache, src: int, dst: int) -> None:
         """Slot ``src`` of ``source`` (this cache or a prompt's) becomes slot ``dst`` here."""
         if self.entries is None:
             self.allocate(*source.shapes)
         self.entries.copy_slot(source.entries, src, dst)
         for mine, theirs, n in zip(self.layers, source.layers, source.entries.spans):
             if n > mine.store.capacity:
-                raise RuntimeError(f"layer {mine.layer_idx}: a sequence using {n} slots does not fit rows of "
-                                   f"capacity {mine.store.capacity}")
-            mine.store.copy_rows(theirs.store, source.entries.row_range(src, src + 1),
-                                 self.entries.row_range(dst, dst + 1), n)
+                raise RuntimeError(
+                    f"layer {mine.layer_idx}: a sequence using {n} slots does not fit rows of "
+                    f"capacity {mine.store.capacity}"
+                )
+            mine.store.copy_rows(
+                theirs.store, source.entries.row_range(src, src + 1), self.entries.row_range(dst, dst + 1), n
+            )
         for l in range(len(self.layers)):
             self.budgets[l][dst] = source.budgets[l][src]
         self.seen[dst] = source.seen[src]
@@ -231,9 +256,12 @@ class KVCache(Cache):
         e = self.entries
         counts = e.lengths[:, e.row_range(slot, slot + 1)].sum(dim=1).tolist()
         resident = [c * layer.store.row_bytes() for c, layer in zip(counts, self.layers)]
-        return CacheStats(kept_per_layer=[c / e.heads for c in counts], resident_bytes=sum(resident),
-                          capacity_bytes=sum(layer.store.capacity_bytes() for layer in self.layers) // self.slots,
-                          resident_per_layer=resident)
+        return CacheStats(
+            kept_per_layer=[c / e.heads for c in counts],
+            resident_bytes=sum(resident),
+            capacity_bytes=sum(layer.store.capacity_bytes() for layer in self.layers) // self.slots,
+            resident_per_layer=resident,
+        )
 
     def resident_by_slot(self, lo: int, hi: int) -> list[int]:
         """Resident bytes of each of slots ``lo:hi``."""

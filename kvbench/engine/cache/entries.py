@@ -9,6 +9,7 @@ lowest free slot; a prompt chunk takes the slots after every row's last one. Evi
 from ``order``; after a prompt chunk's eviction a layer is *densified* (entries moved to slots ``0:length``, in
 order), so the next chunk again starts right after them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ STAT_NAMES = ("acc", "sumsq", "last", "mass")
 
 
 class Entries:
-    def __init__(self, layers: int, slots: int, heads: int, capacity: int, columns: list[str], history: int,
-                 device: torch.device):
+    def __init__(
+        self, layers: int, slots: int, heads: int, capacity: int, columns: list[str], history: int, device: torch.device
+    ):
         self.layers, self.slots, self.heads, self.capacity = layers, slots, heads, capacity
         self.rows = slots * heads
         shape = (layers, self.rows, capacity)
@@ -52,11 +54,17 @@ class Entries:
         at = (layer * self.rows + rows) * self.capacity + slots
         return at * len(self.columns) + self.columns.index(name)
 
-    def write_column(self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    def write_column(
+        self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor
+    ) -> None:
         self.table.view(-1)[self._column_at(name, layer, rows, slots)] = values.reshape(-1).to(torch.float32)
 
-    def add_to_column(self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self.table.view(-1).index_add_(0, self._column_at(name, layer, rows, slots), values.reshape(-1).to(torch.float32))
+    def add_to_column(
+        self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        self.table.view(-1).index_add_(
+            0, self._column_at(name, layer, rows, slots), values.reshape(-1).to(torch.float32)
+        )
 
     def flat(self, t: torch.Tensor) -> torch.Tensor:
         """[layers, rows, capacity, ...] as [layers × rows, capacity, ...]."""
@@ -92,8 +100,9 @@ class Entries:
             at = slots.unsqueeze(-1).expand(-1, -1, -1, len(self.columns))
             self.table[:, rows].scatter_(2, at, 0.0)
         if self.log is not None:
-            self.log.clear(flat_slots(self.flat_rows(lo, hi).reshape(-1), slots.reshape(self.layers * r, q),
-                                      self.capacity))
+            self.log.clear(
+                flat_slots(self.flat_rows(lo, hi).reshape(-1), slots.reshape(self.layers * r, q), self.capacity)
+            )
         return slots, self.spans[:], dense
 
     # -- eviction ------------------------------------------------------------------------------------------
@@ -173,15 +182,19 @@ class Entries:
         self.spans[layer] = m
 
     # -- slots ---------------------------------------------------------------------------------------------
-    def copy_slot(self, source: "Entries", src: int, dst: int) -> int:
+    def copy_slot(self, source: Entries, src: int, dst: int) -> int:
         """Sequence slot ``src`` of ``source`` becomes slot ``dst`` here (every layer); returns the slots copied."""
         n = max(source.spans)
         if n > self.capacity:
             raise RuntimeError(f"a sequence using {n} slots does not fit rows of capacity {self.capacity}")
         a, b = source.row_range(src, src + 1), self.row_range(dst, dst + 1)
         self.lengths[:, b] = source.lengths[:, a]
-        for mine, theirs, empty in ((self.occupied, source.occupied, False), (self.positions, source.positions, -1),
-                                    (self.order, source.order, 0), (self.table, source.table, 0.0)):
+        for mine, theirs, empty in (
+            (self.occupied, source.occupied, False),
+            (self.positions, source.positions, -1),
+            (self.order, source.order, 0),
+            (self.table, source.table, 0.0),
+        ):
             if mine is not None:
                 mine[:, b, :n] = theirs[:, a, :n]
                 mine[:, b, n:] = empty

@@ -7,6 +7,7 @@ part that mixes rows (Ada-KV's split, a kept set shared across heads) mixes the 
 layout decides that, not the part. Rows of one group have one length (or, per head, are padded with ``valid``),
 so every score sees each row as it would see it alone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,8 +43,15 @@ def unit_rows(entries: Entries, units: list[tuple[int, int]]) -> list[int]:
     return [l * entries.rows + s * h + i for l, s in units for i in range(h)]
 
 
-def group_state(entries: Entries, rows: torch.Tensor | None, n: int, group: Group, step: StepRows,
-                lengths: torch.Tensor | None, stores: list) -> TokenState:
+def group_state(
+    entries: Entries,
+    rows: torch.Tensor | None,
+    n: int,
+    group: Group,
+    step: StepRows,
+    lengths: torch.Tensor | None,
+    stores: list,
+) -> TokenState:
     """The group's rows as one state of ``n`` entries each (``lengths`` [r]: per-head counts, padded)."""
     policy = group.policy
     order = entries.gather_rows(entries.order, rows)[:, :n]
@@ -78,10 +86,20 @@ def group_state(entries: Entries, rows: torch.Tensor | None, n: int, group: Grou
 
         lazy["qlog"] = logged
     keys = step.row_keys if rows is None else step.row_keys.index_select(0, rows)
-    return TokenState(positions=positions, stats=Stats(eager, lazy), phase=step.phase, valid=valid,
-                      load_kv=lambda: load_kv(entries, rows, order, stores), derived=derived, lengths=lengths,
-                      units=positions.shape[0] // entries.heads, window=group.window, seen=seen, seed=step.seed,
-                      row_keys=keys.unsqueeze(1))
+    return TokenState(
+        positions=positions,
+        stats=Stats(eager, lazy),
+        phase=step.phase,
+        valid=valid,
+        load_kv=lambda: load_kv(entries, rows, order, stores),
+        derived=derived,
+        lengths=lengths,
+        units=positions.shape[0] // entries.heads,
+        window=group.window,
+        seen=seen,
+        seed=step.seed,
+        row_keys=keys.unsqueeze(1),
+    )
 
 
 def load_kv(entries: Entries, rows: torch.Tensor | None, order: torch.Tensor, stores: list) -> tuple:
@@ -101,8 +119,16 @@ def load_kv(entries: Entries, rows: torch.Tensor | None, order: torch.Tensor, st
     return (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys), torch.cat(values))
 
 
-def evict_group(entries: Entries, rows: torch.Tensor | None, n: int, group: Group, step: StepRows,
-                per_head: bool, stores: list, features) -> None:
+def evict_group(
+    entries: Entries,
+    rows: torch.Tensor | None,
+    n: int,
+    group: Group,
+    step: StepRows,
+    per_head: bool,
+    stores: list,
+    features,
+) -> None:
     """Score the group once and free what it does not keep (merging first where the policy merges)."""
     policy, budget = group.policy, group.budget
     lengths = None

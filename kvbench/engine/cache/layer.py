@@ -1,4 +1,5 @@
 """One decoder layer's face of the cache: its K/V store and what the current step's keys are."""
+
 from __future__ import annotations
 
 import weakref
@@ -24,7 +25,7 @@ class CacheLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, cache: "KVCache", layer_idx: int, plan: LayerPlan, rotary: Rotary | None = None):
+    def __init__(self, cache: KVCache, layer_idx: int, plan: LayerPlan, rotary: Rotary | None = None):
         super().__init__()
         # A proxy: the cache owns its layers, and no cycle keeps a finished prompt's cache alive until a collection.
         self.cache = weakref.proxy(cache)
@@ -77,8 +78,11 @@ class CacheLayer(CacheLayerMixin):
         cache = self.cache
         queries = cache.query_positions  # [rows, q]
         keys = self.key_positions
-        held = keys if self.visible is None or self.visible.shape[1] != keys.shape[1] else keys.masked_fill(
-            ~self.visible, -1)
+        held = (
+            keys
+            if self.visible is None or self.visible.shape[1] != keys.shape[1]
+            else keys.masked_fill(~self.visible, -1)
+        )
         oldest = held.masked_fill(held < 0, torch.iinfo(held.dtype).max).amin(dim=1)
         if bool((queries[:, -1] - oldest < size).all()):
             return None

@@ -7,6 +7,7 @@ its slot while held, see ``store``), so evicting moves nothing here. Query p of 
 log is the same in any batch. A new entry's slot is cleared. The sum takes each new query's row minus the one
 it replaces and is recomputed from the ring whenever a row's ring wraps, so rounding never outlives one ring.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,14 @@ class QueryLog:
         self.rows[r, :, s] = 0.0
         self.total.view(-1)[at] = 0.0
 
-    def append(self, rows: slice, logged: torch.Tensor, nvis: torch.Tensor, places: list[int] | torch.Tensor,
-               wrapped: list[int]) -> None:
+    def append(
+        self,
+        rows: slice,
+        logged: torch.Tensor,
+        nvis: torch.Tensor,
+        places: list[int] | torch.Tensor,
+        wrapped: list[int],
+    ) -> None:
         """Log the step's last queries for rows ``rows``: ``logged`` [r, k, n] over slots ``0:n``, ``nvis`` [r, k].
         ``places``: each logged query's ring place, the same for every row (k > 1: one sequence's prompt chunk)
         or one per row ([r], long, k == 1: a decode step of several sequences). ``wrapped``: rows (counted from

@@ -4,6 +4,7 @@ Each (layer, sequence) unit over its budget joins the group of units whose evict
 (``group_key``), and each group is scored once (``evict.evict_group``). Sliding layers then keep their newest
 ``window - 1`` entries per row. After a prompt chunk, every layer that dropped entries is packed again.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -51,14 +52,20 @@ def end_step(cache: KVCache) -> None:
     for key, group in groups.items():
         rows = group_rows(cache, group.units)
         per_head = group.policy.allocation.per_head
-        n = key[2] if not per_head else max(
-            max(lengths[l][(s - cache.lo) * e.heads : (s - cache.lo + 1) * e.heads]) for l, s in group.units)
-        evicting.evict_group(e, rows, n, group, step, per_head, [layer.store for layer in cache.layers],
-                             cache.write_features)
+        n = (
+            key[2]
+            if not per_head
+            else max(max(lengths[l][(s - cache.lo) * e.heads : (s - cache.lo + 1) * e.heads]) for l, s in group.units)
+        )
+        evicting.evict_group(
+            e, rows, n, group, step, per_head, [layer.store for layer in cache.layers], cache.write_features
+        )
         changed.update(l for l, _ in group.units)
     if ragged_trims or any(g.policy.allocation.per_head for g in groups.values()):
-        ragged = sorted(set(ragged_trims) | {l for g in groups.values() for l, _ in g.units
-                                             if cache.layers[l].plan.hold is not None})
+        ragged = sorted(
+            set(ragged_trims)
+            | {l for g in groups.values() for l, _ in g.units if cache.layers[l].plan.hold is not None}
+        )
         for l in ragged:
             trim_ragged(cache, l)
             changed.add(l)
@@ -72,11 +79,13 @@ def end_step(cache: KVCache) -> None:
         for l in sorted(changed):
             e.densify(l, cache.lo, cache.hi, cache.layers[l].store)
 
+
 def group_key(cache: KVCache, l: int, s: int, budget: int, size: int) -> tuple:
     """What a (layer, sequence) unit's eviction depends on: units of one key are scored as one state. Merging
     units stay within their layer (merged keys and values are written back to one layer's store)."""
     layer = cache.layers[l]
     return (id(layer.policy), layer.plan.window, size, budget, l if layer.policy.merge else None)
+
 
 def layer_state(cache: KVCache, l: int, slot: int = 0) -> TokenState:
     """What layer ``l`` of the sequence in ``slot`` holds, as its policy ranks it."""
@@ -86,8 +95,10 @@ def layer_state(cache: KVCache, l: int, slot: int = 0) -> TokenState:
     n = int(lengths.max())
     ragged = layer.policy.allocation.per_head or bool((lengths != n).any())
     group = evicting.Group(layer.policy, cache.budgets[l][slot] or n, layer.plan.window)
-    return evicting.group_state(e, rows, n, group, step_rows(cache), lengths if ragged else None,
-                                [x.store for x in cache.layers])
+    return evicting.group_state(
+        e, rows, n, group, step_rows(cache), lengths if ragged else None, [x.store for x in cache.layers]
+    )
+
 
 def trim_ragged(cache: KVCache, l: int) -> None:
     """A per-head row of a sliding layer keeps at most its newest ``hold`` entries."""
@@ -102,6 +113,7 @@ def trim_ragged(cache: KVCache, l: int) -> None:
     keep = valid & (idx >= (lengths - hold).unsqueeze(1))
     e.keep_mask(l * e.rows + cache._rows(cache.lo, cache.hi), keep, valid)
 
+
 def group_rows(cache: KVCache, units: list[tuple[int, int]]) -> torch.Tensor | None:
     e = cache.entries
     if len(units) == e.layers * e.slots:
@@ -110,6 +122,7 @@ def group_rows(cache: KVCache, units: list[tuple[int, int]]) -> torch.Tensor | N
     if key not in cache._cache:
         cache._cache[key] = torch.tensor(evicting.unit_rows(e, units), device=cache.device)
     return cache._cache[key]
+
 
 def step_rows(cache: KVCache) -> evicting.StepRows:
     e = cache.entries

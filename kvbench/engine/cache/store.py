@@ -4,6 +4,7 @@ An entry keeps its slot until it is evicted, so a decode step writes only the ne
 held ones; the row's order (which slot holds its j-th entry) is bookkeeping (``entries.Entries``). Quantised
 storage (``policy.quantize``) keeps int8/fp8 codes with a float32 scale per entry; reads dequantise.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,16 @@ def flat_slots(rows: torch.Tensor, slots: torch.Tensor, capacity: int) -> torch.
 class KVStore:
     """Keys and values [rows, capacity, D]: the model's dtype, or codes plus scales [rows, capacity, 1]."""
 
-    def __init__(self, rows: int, capacity: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device,
-                 quantizer: Quantizer | None):
+    def __init__(
+        self,
+        rows: int,
+        capacity: int,
+        k_dim: int,
+        v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantizer: Quantizer | None,
+    ):
         self.quantizer, self.dtype, self.capacity = quantizer, dtype, capacity
         store = dtype if quantizer is None else quantizer.storage_dtype
         self.k = torch.zeros(rows, capacity, k_dim, dtype=store, device=device)
@@ -72,7 +81,7 @@ class KVStore:
             moved = t.view(-1, t.shape[-1]).index_select(0, at).view(len(rows), m, t.shape[-1])
             t[rows, :m] = moved
 
-    def copy_rows(self, source: "KVStore", src: slice, dst: slice, n: int) -> None:
+    def copy_rows(self, source: KVStore, src: slice, dst: slice, n: int) -> None:
         """Slots ``0:n`` of ``source``'s rows ``src`` into this store's rows ``dst``."""
         for mine, theirs in zip(self.tensors(), source.tensors()):
             mine[dst, :n] = theirs[src, :n]

@@ -2,6 +2,7 @@
 
 Everything runs the tiny random Llama on CPU. The subprocess tests run the real ``kvbench-run -m``.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONFIG_DIR, REPO
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
@@ -22,8 +24,6 @@ import kvbench.run as runner
 from kvbench.config import validate
 from kvbench.results import read_rows
 
-from conftest import CONFIG_DIR, REPO
-
 # configs/hydra/launcher/*.yaml share their names with the plugins' schemas (see kvbench/run.py).
 pytestmark = pytest.mark.filterwarnings(r"ignore:(?s).*is validated against ConfigStore schema")
 
@@ -31,8 +31,9 @@ TINY = ["model=tiny-llama", "model.device=cpu", "task.n=2", "task.context_tokens
 
 
 def kvbench_run(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvbench.run", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench.run", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout, env=env
+    )
 
 
 def cells(sweep_dir: Path) -> dict[str, Path]:
@@ -57,16 +58,27 @@ def test_sweeps_through_joblib_and_submitit_run_every_cell_and_survive_bad_ones(
     an error.txt, and the sweep lists them and exits 1."""
     procs = {}
     for launcher in ("joblib", "submitit_local"):
-        cmd = [sys.executable, "-m", "kvbench.run", "-m", *TINY, "policy=window,streamingllm", "budget=0.25,0.5,1.5",
-               f"hydra/launcher={launcher}", f"results_dir={tmp_path}", f"sweep_name={launcher}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvbench.run",
+            "-m",
+            *TINY,
+            "policy=window,streamingllm",
+            "budget=0.25,0.5,1.5",
+            f"hydra/launcher={launcher}",
+            f"results_dir={tmp_path}",
+            f"sweep_name={launcher}",
+        ]
         procs[launcher] = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     outputs = {launcher: proc.communicate(timeout=300) for launcher, proc in procs.items()}
     for launcher, (stdout, stderr) in outputs.items():
         sweep = tmp_path / launcher
         found = cells(sweep)
         good = [c for c in found if not c.endswith("budget=1.5")]
-        assert sorted(good) == [f"tiny-llama/retrieval/{p}/prefill/budget={b}"
-                                for p in ("streamingllm", "window") for b in ("0.25", "0.5")], stderr[-3000:]
+        assert sorted(good) == [
+            f"tiny-llama/retrieval/{p}/prefill/budget={b}" for p in ("streamingllm", "window") for b in ("0.25", "0.5")
+        ], stderr[-3000:]
         for name in good:
             rows = strict_rows(found[name] / "rows.jsonl")
             assert [r["example_id"] for r in rows] == ["passkey-0", "passkey-1"]
@@ -78,7 +90,7 @@ def test_sweeps_through_joblib_and_submitit_run_every_cell_and_survive_bad_ones(
             assert not (bad / "rows.jsonl").exists()
         assert procs[launcher].returncode == 1, stderr[-3000:]
         assert "2 cell(s) could not run" in stderr
-        table = stdout[stdout.index("policy  budget"):].splitlines()
+        table = stdout[stdout.index("policy  budget") :].splitlines()
         assert len([line for line in table if "retrieval" in line]) == 4
     assert "Joblib.Parallel(n_jobs=2," in "".join(outputs["joblib"])
     assert list((tmp_path / "submitit_local/.submitit").rglob("*_result.pkl")), "submitit ran no job"
@@ -109,11 +121,16 @@ def sweep_in_process(tmp_path, monkeypatch, capsys):
     return run
 
 
-
-
 def test_sigkill_mid_cell_then_rerun_matches_an_uninterrupted_sweep(tmp_path, sweep_in_process):
-    grid = ["model=tiny-llama", "model.device=cpu", "task.n=4", "task.context_tokens=160", "task.max_new_tokens=12",
-            "policy=window,random", "budget=0.5"]
+    grid = [
+        "model=tiny-llama",
+        "model.device=cpu",
+        "task.n=4",
+        "task.context_tokens=160",
+        "task.max_new_tokens=12",
+        "policy=window,random",
+        "budget=0.5",
+    ]
     # The uninterrupted sweep runs here; the killed one and its rerun in processes of their own.
     code, _, err = sweep_in_process(*grid, sweep_name="reference")
     assert code == 0, err[-3000:]
@@ -189,9 +206,10 @@ def test_one_process_loads_the_model_once_and_failing_examples_become_rows(tmp_p
     assert code == 0
     assert len(loads) == 1, "the model must load once per process"
     sweep = tmp_path / "p"
-    assert sorted(cells(sweep)) == [f"tiny-llama/retrieval/{p}/prefill/budget={b}"
-                                    for p, b in [("full", "full"), ("random", "0.25"), ("random", "0.5"),
-                                                 ("window", "0.25"), ("window", "0.5")]]
+    assert sorted(cells(sweep)) == [
+        f"tiny-llama/retrieval/{p}/prefill/budget={b}"
+        for p, b in [("full", "full"), ("random", "0.25"), ("random", "0.5"), ("window", "0.25"), ("window", "0.5")]
+    ]
     # The full cache ignores the budget: its two sweep points share one cell, run once.
     assert [c for c in calls if c[0] == "full"] == [("full", 0.25, "passkey-0"), ("full", 0.25, "passkey-1")]
     oom = read_rows(sweep / "tiny-llama/retrieval/window/prefill/budget=0.25/rows.jsonl")
@@ -216,8 +234,9 @@ def test_one_process_loads_the_model_once_and_failing_examples_become_rows(tmp_p
     message = (sweep / "tiny-llama/retrieval/window/prefill/budget=0.5/error.txt").read_text()
     assert "holds results of a different config (task.n: 2 -> 3)" in message
     assert "1 cell(s) could not run" in err
-    assert before == {name: (path / "rows.jsonl").read_text() for name, path in cells(sweep).items()
-                      if (path / "rows.jsonl").exists()}
+    assert before == {
+        name: (path / "rows.jsonl").read_text() for name, path in cells(sweep).items() if (path / "rows.jsonl").exists()
+    }
 
 
 def test_a_cell_another_process_is_writing_is_left_to_it(tmp_path, monkeypatch):
@@ -249,8 +268,8 @@ def wandb_records(path: Path):
         if block - pos % block < 7:
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 0:
             continue
         pending = chunk if kind in (1, 2) else pending + chunk
@@ -267,11 +286,23 @@ def key(item) -> str:
 
 def test_wandb_offline_writes_config_table_and_summary(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(WANDB_CACHE_DIR=str(tmp_path / "wb-cache"), WANDB_DATA_DIR=str(tmp_path / "wb-data"),
-               WANDB_CONFIG_DIR=str(tmp_path / "wb-config"), HF_HUB_OFFLINE="1")
-    out = kvbench_run("-m", *TINY, "policy=window,random", "tracking.wandb.mode=offline",
-                      "tracking.wandb.project=kvb-test", f"results_dir={tmp_path}", "sweep_name=wb", env=env,
-                      timeout=300)
+    env.update(
+        WANDB_CACHE_DIR=str(tmp_path / "wb-cache"),
+        WANDB_DATA_DIR=str(tmp_path / "wb-data"),
+        WANDB_CONFIG_DIR=str(tmp_path / "wb-config"),
+        HF_HUB_OFFLINE="1",
+    )
+    out = kvbench_run(
+        "-m",
+        *TINY,
+        "policy=window,random",
+        "tracking.wandb.mode=offline",
+        "tracking.wandb.project=kvb-test",
+        f"results_dir={tmp_path}",
+        "sweep_name=wb",
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert not [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("wandb:")]
     for policy in ("window", "random"):
@@ -283,11 +314,18 @@ def test_wandb_offline_writes_config_table_and_summary(tmp_path):
         assert run.project == "kvb-test" and run.run_group == "wb" and run.job_type == "cell"
         config = {item.key: json.loads(item.value_json) for item in run.config.update}
         assert config["policy"]["name"] == policy and config["budget"] == 0.5 and config["task"]["n"] == 2
-        summary = {key(item): json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "summary"
-                   for item in r.summary.update}
+        summary = {
+            key(item): json.loads(item.value_json)
+            for r in records
+            if r.WhichOneof("record_type") == "summary"
+            for item in r.summary.update
+        }
         assert summary["n_ok"] == 2 and summary["policy"] == policy and "mean.score" in summary
-        history = [{key(item): json.loads(item.value_json) for item in r.history.item}
-                   for r in records if r.WhichOneof("record_type") == "history"]
+        history = [
+            {key(item): json.loads(item.value_json) for item in r.history.item}
+            for r in records
+            if r.WhichOneof("record_type") == "history"
+        ]
         assert sum("budget_achieved" in h for h in history) == 2  # one step per example
         assert any(r.WhichOneof("record_type") == "exit" and r.exit.exit_code == 0 for r in records)
         (table_file,) = (run_dir / "files/media/table").glob("examples_*.table.json")
@@ -330,23 +368,34 @@ def test_preset_cells_compose_and_validate(preset):
 def _check_preset(preset: str) -> tuple[int, list[str]]:
     params = dict(composed(f"experiment={preset}", hydra=True).hydra.sweeper.params)
     swept = {key: str(value).split(",") for key, value in params.items()}
-    missing = sorted({f"{key}={v}" for key, values in swept.items() if key in ("policy", "task", "model")
-                      for v in values if v not in options(key)})
+    missing = sorted(
+        {
+            f"{key}={v}"
+            for key, values in swept.items()
+            if key in ("policy", "task", "model")
+            for v in values
+            if v not in options(key)
+        }
+    )
     checked = 0
     for key, values in swept.items():
         # Every option of a config group; the first and last of a plain value (budgets differ only in number).
         for value in values if key in ("policy", "task", "model", "task.subset") else {values[0], values[-1]}:
             if f"{key}={value}" in missing:
                 continue
-            cell = {k: (value if k == key else next((x for x in v if f"{k}={x}" not in missing), v[0]))
-                    for k, v in swept.items()}
+            cell = {
+                k: (value if k == key else next((x for x in v if f"{k}={x}" not in missing), v[0]))
+                for k, v in swept.items()
+            }
             if any(f"{k}={v}" in missing for k, v in cell.items()):
                 continue
             config = composed(f"experiment={preset}", *(f"{k}={v}" for k, v in cell.items()))
             spec = validate(config)
             if preset.startswith("roco_paper"):
-                assert spec.stage == {"xsum": "prefill", "cnn_dailymail": "prefill", "instructions": "decode"}[
-                    spec.task_cfg["name"]]
+                assert (
+                    spec.stage
+                    == {"xsum": "prefill", "cnn_dailymail": "prefill", "instructions": "decode"}[spec.task_cfg["name"]]
+                )
             checked += 1
     return checked, missing
 
@@ -356,16 +405,40 @@ def test_preset_grids():
     assert smoke.model.name == "tiny-llama" and smoke.hydra.mode.name == "MULTIRUN"
     roco = composed("experiment=roco_paper", hydra=True).hydra.sweeper.params
     assert roco.budget == "0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9"
-    assert set(roco.policy.split(",")) == {"random", "streamingllm", "h2o", "scissorhands", "tova", "roco", "full",
-                                          "mean_window", "accumulated_robust"}
+    assert set(roco.policy.split(",")) == {
+        "random",
+        "streamingllm",
+        "h2o",
+        "scissorhands",
+        "tova",
+        "roco",
+        "full",
+        "mean_window",
+        "accumulated_robust",
+    }
     assert composed("experiment=roco_paper_prefill", hydra=True).hydra.sweeper.params.task == "xsum,cnn_dailymail"
     assert composed("experiment=roco_paper_decode", hydra=True).hydra.sweeper.params.task == "instructions"
     assert composed("experiment=roco_paper", "task=cnn_dailymail").stage == "prefill"
     assert composed("experiment=roco_paper", "task=xsum", "stage=both").stage == "both"  # the command line wins
     longbench = composed("experiment=longbench", hydra=True).hydra.sweeper.params
     assert longbench["task.subset"].split(",") == [
-        "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
-        "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
+        "narrativeqa",
+        "qasper",
+        "multifieldqa_en",
+        "hotpotqa",
+        "2wikimqa",
+        "musique",
+        "gov_report",
+        "qmsum",
+        "multi_news",
+        "trec",
+        "triviaqa",
+        "samsum",
+        "passage_count",
+        "passage_retrieval_en",
+        "lcc",
+        "repobench-p",
+    ]
 
 
 def test_launcher_presets(tmp_path, monkeypatch):
@@ -373,8 +446,13 @@ def test_launcher_presets(tmp_path, monkeypatch):
     assert joblib.n_jobs == 2 and joblib._target_.endswith("JoblibLauncher")
     local = composed("hydra/launcher=submitit_local", hydra=True).hydra.launcher
     assert local._target_.endswith("LocalLauncher")
-    slurm = composed("hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=30",
-                     "hydra.launcher.mem_gb=32", hydra=True).hydra.launcher
+    slurm = composed(
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.partition=gpu",
+        "hydra.launcher.timeout_min=30",
+        "hydra.launcher.mem_gb=32",
+        hydra=True,
+    ).hydra.launcher
     assert slurm.gpus_per_node == 1 and slurm.tasks_per_node == 1
     assert (slurm.partition, slurm.timeout_min, slurm.mem_gb) == ("gpu", 30, 32)
 
@@ -390,11 +468,17 @@ def test_launcher_presets(tmp_path, monkeypatch):
     params = OmegaConf.to_container(slurm, resolve=False)
     for key in ("_target_", "submitit_folder", "name"):
         params.pop(key)
-    executor = submitit.AutoExecutor(cluster="slurm", folder=tmp_path / "%j",
-                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    executor = submitit.AutoExecutor(
+        cluster="slurm", folder=tmp_path / "%j", slurm_max_num_timeout=params.pop("max_num_timeout")
+    )
     shared = set(OmegaConf.structured(BaseQueueConf).keys())
     executor.update_parameters(name="run", **{k if k in shared else f"slurm_{k}": v for k, v in params.items()})
     script = executor._executor._make_submission_file_text("python -m kvbench.run", "uid")
-    for line in ("#SBATCH --gpus-per-node=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu",
-                 "#SBATCH --time=30", "#SBATCH --mem=32GB"):
+    for line in (
+        "#SBATCH --gpus-per-node=1",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=30",
+        "#SBATCH --mem=32GB",
+    ):
         assert line in script

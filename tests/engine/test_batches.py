@@ -10,25 +10,30 @@ run's top-2 logit gap at the first differing step is below that tolerance). Prom
 different ``max_new_tokens``, so sequences finish at different steps, their slots are refilled from the queue,
 and the batch shrinks at the end.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CONFIG_DIR
+from family_models import FAMILIES, SLIDING, build
 from omegaconf import OmegaConf
 
-from family_models import FAMILIES, SLIDING, build
 from kvbench.engine.generate import DecodeSettings, Generation, Request, generate, generate_batch
 from kvbench.policies.registry import build_policy
-
-from conftest import CONFIG_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-4  # of the batch-1 run's largest logit
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
 # Windows of the named configs are for real prompts; these prompts hold tens of tokens.
-SMALL = {"snapkv": {"score": {"window": 6}}, "pyramidkv": {"score": {"window": 6}}, "adakv": {"score": {"window": 6}},
-         "scissorhands": {"score": {"history": 6}}, "roco": {"scope": {"n_recent": 4}},
-         "accumulated_robust": {"scope": {"n_recent": 4}}}
+SMALL = {
+    "snapkv": {"score": {"window": 6}},
+    "pyramidkv": {"score": {"window": 6}},
+    "adakv": {"score": {"window": 6}},
+    "scissorhands": {"score": {"history": 6}},
+    "roco": {"scope": {"n_recent": 4}},
+    "accumulated_robust": {"scope": {"n_recent": 4}},
+}
 LENGTHS, NEW = (40, 25, 33, 50, 29), (12, 5, 9, 12, 7)
 DEEP = ("qwen2-window", "gemma3", "gemma2-softcap", "mistral-window", "gpt2")  # every policy kind batched
 
@@ -40,8 +45,12 @@ def named(name: str, **extra):
 
 def requests(lengths=LENGTHS, news=NEW, ids_seed: int = 0, high: int = 250, **settings) -> list[Request]:
     g = torch.Generator().manual_seed(ids_seed)
-    return [Request(torch.randint(0, high, (n,), generator=g).tolist(),
-                    settings=DecodeSettings(max_new_tokens=m, **settings)) for n, m in zip(lengths, news)]
+    return [
+        Request(
+            torch.randint(0, high, (n,), generator=g).tolist(), settings=DecodeSettings(max_new_tokens=m, **settings)
+        )
+        for n, m in zip(lengths, news)
+    ]
 
 
 def assert_same_as_alone(batched: Generation, alone: Generation, where: str) -> None:
@@ -55,8 +64,9 @@ def assert_same_as_alone(batched: Generation, alone: Generation, where: str) -> 
     else:
         top2 = alone.logits[differ].topk(2).values
         assert float(top2[0] - top2[1]) < tol, f"{where}: tokens part at step {differ} without a tie"
-    torch.testing.assert_close(batched.logits[:end], alone.logits[:end], rtol=0, atol=tol,
-                               msg=lambda m: f"{where}: {m}")
+    torch.testing.assert_close(
+        batched.logits[:end], alone.logits[:end], rtol=0, atol=tol, msg=lambda m: f"{where}: {m}"
+    )
 
 
 def assert_within_budget(g: Generation, heads: int, per_head: bool, stage: str, chunks: int, where: str) -> None:
@@ -71,13 +81,34 @@ def assert_within_budget(g: Generation, heads: int, per_head: bool, stage: str, 
             assert sum(max(c) for c in counts) <= len(step) * g.budget_tokens, where
 
 
-def check_batch(model, reqs: list[Request], policy, budget, stage: str, batch_size: int, stride=None,
-                tokenizer=None, heads: int | None = None) -> list[Generation]:
-    batched = generate_batch(model, tokenizer, reqs, policy, budget, stage, batch_size, stride, return_logits=True,
-                             trace=heads is not None)
+def check_batch(
+    model,
+    reqs: list[Request],
+    policy,
+    budget,
+    stage: str,
+    batch_size: int,
+    stride=None,
+    tokenizer=None,
+    heads: int | None = None,
+) -> list[Generation]:
+    batched = generate_batch(
+        model, tokenizer, reqs, policy, budget, stage, batch_size, stride, return_logits=True, trace=heads is not None
+    )
     for i, (r, b) in enumerate(zip(reqs, batched)):
-        alone = generate(model, tokenizer, r.input_ids, policy, budget, stage, r.settings, r.suffix_ids, stride,
-                         return_logits=True, forced_tokens=r.forced_tokens)
+        alone = generate(
+            model,
+            tokenizer,
+            r.input_ids,
+            policy,
+            budget,
+            stage,
+            r.settings,
+            r.suffix_ids,
+            stride,
+            return_logits=True,
+            forced_tokens=r.forced_tokens,
+        )
         where = f"{policy.name} {stage} B={batch_size} sequence {i}"
         assert_same_as_alone(b, alone, where)
         assert b.batch_size == batch_size and len(b.decode_batch_sizes) == len(b.tokens) - 1
@@ -99,8 +130,11 @@ def test_every_named_policy_in_every_stage_batched_equals_alone(tiny, name):
         assert max(sizes) == 3 and min(sizes) < 3  # full while the queue lasts, then shrinking
 
 
-@pytest.mark.parametrize("extra", [{"merge": True}, {"quantize": "int8"}, {"quantize": "fp8"},
-                                   {"positions": "reindex"}], ids=["merge", "int8", "fp8", "reindex"])
+@pytest.mark.parametrize(
+    "extra",
+    [{"merge": True}, {"quantize": "int8"}, {"quantize": "fp8"}, {"positions": "reindex"}],
+    ids=["merge", "int8", "fp8", "reindex"],
+)
 @pytest.mark.parametrize("name", ["h2o", "adakv", "streamingllm"])
 def test_extras_batched_equal_alone(tiny, name, extra):
     policy = named(name, **extra)
@@ -122,14 +156,16 @@ def test_sampling_is_each_sequences_own(tiny):
     check_batch(tiny.model, reqs, named("tova"), 0.4, "both", batch_size=3)
 
 
-@pytest.mark.parametrize("name, stage", [("h2o", "both"), ("adakv", "prefill"), ("roco", "decode"),
-                                         ("scissorhands", "both")])
+@pytest.mark.parametrize(
+    "name, stage", [("h2o", "both"), ("adakv", "prefill"), ("roco", "decode"), ("scissorhands", "both")]
+)
 def test_masked_replay_per_sequence(tiny, name, stage):
     """A batched run's kept sets, replayed per sequence as masks over a batched full cache, give its logits."""
     policy, reqs = named(name), requests(ids_seed=4)
     g = generate_batch(tiny.model, None, reqs, policy, 0.4, stage, 3, 8, return_logits=True, trace=True)
-    replays = [Request(r.input_ids, settings=r.settings, forced_tokens=x.tokens, replay_trace=x.trace)
-               for r, x in zip(reqs, g)]
+    replays = [
+        Request(r.input_ids, settings=r.settings, forced_tokens=x.tokens, replay_trace=x.trace) for r, x in zip(reqs, g)
+    ]
     full = generate_batch(tiny.model, None, replays, named("full"), 1.0, stage, 3, 8, return_logits=True)
     for x, y in zip(g, full):
         torch.testing.assert_close(x.logits, y.logits, rtol=1e-4, atol=1e-4)
@@ -145,18 +181,25 @@ def test_every_family_batched_equals_alone(family):
         stage = "both" if "decode" not in policy.unsupported_stages else "prefill"
         check_batch(model, requests(ids_seed=5, high=300), policy, 0.4, stage, batch_size=3, stride=7)
     if family in SLIDING:
-        check_batch(model, requests(ids_seed=6, high=300), named("h2o", sliding_layers="evict"), 0.4, "both", 3,
-                    stride=7)
+        check_batch(
+            model, requests(ids_seed=6, high=300), named("h2o", sliding_layers="evict"), 0.4, "both", 3, stride=7
+        )
 
 
 @pytest.mark.slow
 def test_smollm_batched_equals_alone(smollm):
     """Real prompts' lengths (hundreds of tokens), a stop string and EOS active, B=4 over 6 sequences."""
-    reqs = requests(lengths=(300, 180, 240, 120, 260, 200), news=(16, 8, 12, 16, 6, 10), ids_seed=7, high=20000,
-                    stop_strings=["\n\n"])
+    reqs = requests(
+        lengths=(300, 180, 240, 120, 260, 200),
+        news=(16, 8, 12, 16, 6, 10),
+        ids_seed=7,
+        high=20000,
+        stop_strings=["\n\n"],
+    )
     for name in ("full", "h2o", "roco", "tova", "snapkv", "window", "adakv"):
-        policy = build_policy(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"),
-                                                     resolve=True))
+        policy = build_policy(
+            OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), resolve=True)
+        )
         stage = "both" if "decode" not in policy.unsupported_stages else "prefill"
         check_batch(smollm.model, reqs, policy, 0.25, stage, batch_size=4, stride=128, tokenizer=smollm.tokenizer)
 
@@ -166,8 +209,9 @@ def test_gemma_batched_equals_alone(gemma):
     """Prompts past the 512-token window of the sliding layers, multi-query attention."""
     reqs = requests(lengths=(600, 540, 700), news=(8, 5, 8), ids_seed=8, high=50000)
     for name in ("full", "h2o", "snapkv"):
-        policy = build_policy(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"),
-                                                     resolve=True))
+        policy = build_policy(
+            OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), resolve=True)
+        )
         stage = "both" if "decode" not in policy.unsupported_stages else "prefill"
         check_batch(gemma.model, reqs, policy, 0.25, stage, batch_size=2, stride=256, tokenizer=gemma.tokenizer)
 
@@ -178,5 +222,4 @@ def test_sequences_of_one_length_are_scored_as_one_group_as_alone(tiny, name):
     Ada-KV's per-unit split, per-row scopes), and each still evicts what it evicts alone."""
     policy = named(name)
     stage = "prefill" if "decode" in policy.unsupported_stages else "both"
-    check_batch(tiny.model, requests(lengths=(36,) * 4, news=(10,) * 4, ids_seed=9), policy, 0.4, stage, 4, 8,
-                heads=2)
+    check_batch(tiny.model, requests(lengths=(36,) * 4, news=(10,) * 4, ids_seed=9), policy, 0.4, stage, 4, 8, heads=2)

@@ -1,4 +1,5 @@
 """One Hydra cell end to end: rows with measured numbers, resume, jsonl prompts, early refusals."""
+
 from __future__ import annotations
 
 import json
@@ -6,14 +7,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from conftest import CONFIG_DIR, REPO
 from hydra import compose, initialize_config_dir
 
 import kvbench.run as runner
 from kvbench.config import ConfigError
 from kvbench.results import read_rows
-
-from conftest import CONFIG_DIR, REPO
 
 TINY = ["model=tiny-llama", "task.n=3", "task.context_tokens=160", "task.max_new_tokens=4"]
 
@@ -70,14 +69,17 @@ def test_failing_example_becomes_error_row(tmp_path, monkeypatch):
     assert "synthetic failure" in rows[1]["error"]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["budget=0"], "budget=0 must be at least 1 token"),
-    (["budget=1.5"], "budget=1.5 is out of range"),
-    (["budget=-0.2"], "budget=-0.2 is out of range"),
-    (["stride=0"], "stride=0 must be a positive integer"),
-    (["task=jsonl", "task.path=/nonexistent/prompts.jsonl"], "task.path=/nonexistent/prompts.jsonl does not exist"),
-    (["stage=sideways"], "stage='sideways' is unknown"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["budget=0"], "budget=0 must be at least 1 token"),
+        (["budget=1.5"], "budget=1.5 is out of range"),
+        (["budget=-0.2"], "budget=-0.2 is out of range"),
+        (["stride=0"], "stride=0 must be a positive integer"),
+        (["task=jsonl", "task.path=/nonexistent/prompts.jsonl"], "task.path=/nonexistent/prompts.jsonl does not exist"),
+        (["stage=sideways"], "stage='sideways' is unknown"),
+    ],
+)
 def test_bad_input_is_refused_before_the_model_loads(tmp_path, monkeypatch, overrides, message):
     monkeypatch.setattr(runner, "get_model", lambda *_: pytest.fail("the model loaded before validation"))
     base = ["model=tiny-llama"] if "task=jsonl" in overrides else TINY
@@ -85,15 +87,24 @@ def test_bad_input_is_refused_before_the_model_loads(tmp_path, monkeypatch, over
         runner.run_cell(cfg(base + overrides), tmp_path / "c", "t")
 
 
-@pytest.mark.parametrize("override, message", [
-    ("policy=nope", "Could not find 'policy/nope'"),
-    ("model=nope", "Could not find 'model/nope'"),
-    ("task=nope", "Could not find 'task/nope'"),
-    ("budget=1.5", "budget=1.5 is out of range"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("policy=nope", "Could not find 'policy/nope'"),
+        ("model=nope", "Could not find 'model/nope'"),
+        ("task=nope", "Could not find 'task/nope'"),
+        ("budget=1.5", "budget=1.5 is out of range"),
+    ],
+)
 def test_cli_prints_one_clear_message(tmp_path, override, message):
     model = [] if override.startswith("model=") else ["model=tiny-llama"]
-    out = subprocess.run([sys.executable, "-m", "kvbench.run", override, *model, f"results_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbench.run", override, *model, f"results_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert message in out.stderr
     assert "Traceback" not in out.stderr
@@ -103,15 +114,24 @@ def test_jsonl_prompts_match_model_generate_on_smollm2(tmp_path, smollm):
     prompts = ["The three primary colours are", "def fibonacci(n):", "Paris is the capital of"]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
-    config = cfg(["task=jsonl", f"task.path={path}", "task.chat_template=false", "task.max_new_tokens=12",
-                  "policy=full", "model.dtype=float32", "model.device=cpu"])
+    config = cfg(
+        [
+            "task=jsonl",
+            f"task.path={path}",
+            "task.chat_template=false",
+            "task.max_new_tokens=12",
+            "policy=full",
+            "model.dtype=float32",
+            "model.device=cpu",
+        ]
+    )
     runner.run_cell(config, tmp_path / "cell", "t")
     rows = read_rows(tmp_path / "cell" / "rows.jsonl")
     tok = smollm.tokenizer
     for prompt, row in zip(prompts, rows):
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         out = smollm.model.generate(ids, max_new_tokens=12, do_sample=False)
-        assert row["prediction"] == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert row["prediction"] == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         assert row["status"] == "ok"
 
 
@@ -128,7 +148,9 @@ def test_retrieval_renders_the_requested_length_and_hides_the_needle(tiny):
         where = (text.index(ex.references[0]) - start) / (end - start)
         assert abs(where - ex.meta["depth"]) < 0.25  # the needle itself is a fifth of this short body
     assert task.score("The passkey is 12345.", ex.__class__(id="x", prompt="", references=["12345"])) == {
-        "accuracy": 1.0, "exact_match": 0.0}
+        "accuracy": 1.0,
+        "exact_match": 0.0,
+    }
     assert task.score("12345", ex.__class__(id="x", prompt="", references=["12345"]))["exact_match"] == 1.0
     assert task.score("1234", ex.__class__(id="x", prompt="", references=["12345"]))["accuracy"] == 0.0
 
@@ -136,8 +158,15 @@ def test_retrieval_renders_the_requested_length_and_hides_the_needle(tiny):
 def test_a_batched_cell_scores_every_example_as_batch_one(tmp_path):
     """batch_size=3 over 5 examples (slots refilled, then the batch shrinks): the same predictions and scores as
     one at a time; each row says it was batched and what the batch did."""
-    base = ["model=tiny-llama", "task.n=5", "task.context_tokens=160", "task.max_new_tokens=6", "policy=h2o",
-            "budget=0.5", "stage=both"]
+    base = [
+        "model=tiny-llama",
+        "task.n=5",
+        "task.context_tokens=160",
+        "task.max_new_tokens=6",
+        "policy=h2o",
+        "budget=0.5",
+        "stage=both",
+    ]
     runner.run_cell(cfg(base), tmp_path / "one", "t")
     runner.run_cell(cfg(base + ["batch_size=3"]), tmp_path / "three", "t")
     alone = {r["example_id"]: r for r in read_rows(tmp_path / "one" / "rows.jsonl")}

@@ -1,15 +1,15 @@
 """The capacity experiment: the search for the largest batch, real probes through a Hydra cell, the report."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import CONFIG_DIR
 from hydra import compose, initialize_config_dir
 
 import kvbench.run as runner
 from kvbench.capacity import Probe, largest_batch
 from kvbench.report.build import build_report
 from kvbench.results import read_rows
-
-from conftest import CONFIG_DIR
 
 
 def synthetic(threshold: int):
@@ -36,8 +36,16 @@ def cfg(overrides: list[str]):
 def test_a_capacity_cell_probes_real_batches_and_reports(tmp_path):
     """A cap no run reaches: the search climbs to capacity.max_batch with real runs, a row per probe, and the
     report draws the three capacity figures."""
-    base = ["model=tiny-llama", "task.n=2", "task.context_tokens=96", "max_new_tokens=4", "stage=both",
-            "capacity.memory_gib=64", "capacity.max_batch=3", f"results_dir={tmp_path}"]
+    base = [
+        "model=tiny-llama",
+        "task.n=2",
+        "task.context_tokens=96",
+        "max_new_tokens=4",
+        "stage=both",
+        "capacity.memory_gib=64",
+        "capacity.max_batch=3",
+        f"results_dir={tmp_path}",
+    ]
     for policy, budget in (("full", "1.0"), ("h2o", "0.25"), ("h2o", "0.5")):
         cell = tmp_path / "capacity" / policy / budget
         summary = runner.run_cell(cfg(base + [f"policy={policy}", f"budget={budget}"]), cell, "capacity")
@@ -55,8 +63,13 @@ def test_a_capacity_cell_probes_real_batches_and_reports(tmp_path):
     assert "| tiny-llama | retrieval | both | h2o | 25% | 3 |" in report
 
 
-@pytest.mark.parametrize("override, message", [("capacity.memory_gib=0", "capacity.memory_gib=0 must be a positive"),
-                                               ("capacity.max_batch=0", "capacity.max_batch=0 must be a positive")])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("capacity.memory_gib=0", "capacity.memory_gib=0 must be a positive"),
+        ("capacity.max_batch=0", "capacity.max_batch=0 must be a positive"),
+    ],
+)
 def test_bad_capacity_settings_are_refused(tmp_path, override, message):
     with pytest.raises(runner.ConfigError, match=message):
         runner.run_cell(cfg(["model=tiny-llama", override]), tmp_path / "c", "t")

@@ -1,11 +1,11 @@
 """ROUGE and LongBench metrics against values worked out by hand on short strings."""
+
 from __future__ import annotations
 
 import pytest
 
 from kvbench.metrics import longbench as lb
 from kvbench.metrics.rouge import mean_scores, rouge_l, rouge_scores
-
 
 # ---------------------------------------------------------------- rouge_score-based ROUGE
 
@@ -129,6 +129,14 @@ def test_best_over_references_and_first_line() -> None:
     assert lb.best_over_references(lb.qa_f1_score, "paris", ["london", "Paris"]) == 1.0
     assert lb.best_over_references(lb.qa_f1_score, "paris", []) == 0.0
     assert lb.first_line("\n\nIndividual\nQuestion: more") == "Individual"
-    assert set(lb.METRICS) == {"qa_f1_score", "qa_f1_zh_score", "rouge_score", "rouge_zh_score",
-                               "classification_score", "retrieval_score", "retrieval_zh_score",
-                               "count_score", "code_sim_score"}
+    assert set(lb.METRICS) == {
+        "qa_f1_score",
+        "qa_f1_zh_score",
+        "rouge_score",
+        "rouge_zh_score",
+        "classification_score",
+        "retrieval_score",
+        "retrieval_zh_score",
+        "count_score",
+        "code_sim_score",
+    }

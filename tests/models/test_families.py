@@ -3,20 +3,20 @@
 References are the family's own: ``model.generate`` with its eager attention, and masked replay through the
 family's eager attention over transformers' own cache (tests/family_models.py), never kvbench's attention.
 """
+
 from __future__ import annotations
 
 import glob
 
 import pytest
 import torch
+from conftest import CONFIG_DIR
+from family_models import FAMILIES, REFUSED, SLIDING, WINDOW, build, eager_replay, family_config, family_greedy
 from omegaconf import OmegaConf
 
-from family_models import FAMILIES, REFUSED, SLIDING, WINDOW, build, eager_replay, family_config, family_greedy
 from kvbench.engine.generate import DecodeSettings, generate
 from kvbench.families import layer_windows, support_error
 from kvbench.policies.registry import build_policy
-
-from conftest import CONFIG_DIR
 
 NAMED = {}
 for path in sorted(glob.glob(str(CONFIG_DIR / "policy" / "*.yaml"))):
@@ -51,8 +51,17 @@ def test_every_policy_at_a_budget_of_the_length_equals_the_familys_generate(fami
     for policy in variants:
         for stage in stages(policy):
             stride = None if stage == "prefill" else 7  # one chunk, and chunks shorter than the window and longer
-            g = generate(model, None, prompt, build_policy(policy), PROMPT + NEW, stage,
-                         DecodeSettings(max_new_tokens=NEW), stride=stride, return_logits=True)
+            g = generate(
+                model,
+                None,
+                prompt,
+                build_policy(policy),
+                PROMPT + NEW,
+                stage,
+                DecodeSettings(max_new_tokens=NEW),
+                stride=stride,
+                return_logits=True,
+            )
             where = f"{family} {policy['name']} {policy.get('sliding_layers', '')} {stage} stride={stride}"
             assert g.tokens == ref_tokens, where
             torch.testing.assert_close(g.logits, ref_logits, rtol=1e-5, atol=1e-5, msg=where)
@@ -75,8 +84,18 @@ def test_eviction_equals_the_familys_eager_attention_masked_to_the_kept_set(fami
                 continue
             built = build_policy(policy)
             budget = max(4, built.scope.min_budget())
-            g = generate(model, None, prompt, built, budget, stage, DecodeSettings(max_new_tokens=NEW),
-                         stride=stride, return_logits=True, trace=True)
+            g = generate(
+                model,
+                None,
+                prompt,
+                built,
+                budget,
+                stage,
+                DecodeSettings(max_new_tokens=NEW),
+                stride=stride,
+                return_logits=True,
+                trace=True,
+            )
             where = f"{family} {name} {extra} {stage} stride={stride}"
             replayed = eager_replay(model, prompt, g.tokens, g.trace, stride)
             torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4, msg=where)
@@ -93,8 +112,17 @@ def test_sliding_layers_never_hold_more_than_their_window(family, prompt):
     windows = layer_windows(model.config)
     for policy in (named("full"), named("h2o"), named("h2o", sliding_layers="evict"), named("adakv")):
         for stage in stages(policy):
-            g = generate(model, None, prompt, build_policy(policy), 0.5, stage, DecodeSettings(max_new_tokens=NEW),
-                         stride=5, trace=True)
+            g = generate(
+                model,
+                None,
+                prompt,
+                build_policy(policy),
+                0.5,
+                stage,
+                DecodeSettings(max_new_tokens=NEW),
+                stride=5,
+                trace=True,
+            )
             for layers in g.trace:
                 for window, held in zip(windows, layers):
                     if window is not None:
@@ -107,8 +135,16 @@ def test_budget_applies_to_full_attention_layers_of_a_hybrid_model(prompt):
     sliding_layers=evict the sliding layers hold min(budget, window - 1)."""
     model = build("gemma3")
     for extra, sliding_held in (({}, WINDOW - 1), ({"sliding_layers": "evict"}, 3)):
-        g = generate(model, None, prompt, build_policy(named("h2o", **extra)), 3, "both",
-                     DecodeSettings(max_new_tokens=NEW), trace=True)
+        g = generate(
+            model,
+            None,
+            prompt,
+            build_policy(named("h2o", **extra)),
+            3,
+            "both",
+            DecodeSettings(max_new_tokens=NEW),
+            trace=True,
+        )
         *sliding, full = g.trace[-1]
         assert full.shape[-1] == 3
         assert all(layer.shape[-1] == sliding_held for layer in sliding)
@@ -126,8 +162,16 @@ def test_budget_applies_to_full_attention_layers_of_a_hybrid_model(prompt):
 def test_an_all_sliding_model_holds_the_budget_or_its_window(prompt):
     model = build("mistral-window")
     for budget, held in ((3, 3), (100, WINDOW - 1)):
-        g = generate(model, None, prompt, build_policy(named("h2o")), budget, "both",
-                     DecodeSettings(max_new_tokens=NEW), trace=True)
+        g = generate(
+            model,
+            None,
+            prompt,
+            build_policy(named("h2o")),
+            budget,
+            "both",
+            DecodeSettings(max_new_tokens=NEW),
+            trace=True,
+        )
         assert all(layer.shape[-1] == held for layer in g.trace[-1])
         assert g.kv_resident_bytes_full is None
 
@@ -184,18 +228,33 @@ def test_reindex_is_refused_on_families_without_rope(family, prompt):
 
     assert "positions=absolute" in reindex_refusal(family_config(family))
     with pytest.raises(ValueError, match="positions=absolute"):
-        generate(build(family), None, prompt, build_policy(named("streamingllm", positions="reindex")), 0.5,
-                 "prefill", DecodeSettings(max_new_tokens=2))
+        generate(
+            build(family),
+            None,
+            prompt,
+            build_policy(named("streamingllm", positions="reindex")),
+            0.5,
+            "prefill",
+            DecodeSettings(max_new_tokens=2),
+        )
 
 
 def test_merge_is_refused_where_sliding_layers_would_evict(prompt):
     model = build("mistral-window")
     with pytest.raises(ValueError, match="merge"):
-        generate(model, None, prompt, build_policy(named("h2o", merge=True)), 0.5, "both",
-                 DecodeSettings(max_new_tokens=2))
+        generate(
+            model, None, prompt, build_policy(named("h2o", merge=True)), 0.5, "both", DecodeSettings(max_new_tokens=2)
+        )
     # On a hybrid model merging runs in the full-attention layers (the sliding ones hold their window).
-    g = generate(build("gemma3"), None, prompt, build_policy(named("h2o", merge=True)), 0.5, "both",
-                 DecodeSettings(max_new_tokens=2))
+    g = generate(
+        build("gemma3"),
+        None,
+        prompt,
+        build_policy(named("h2o", merge=True)),
+        0.5,
+        "both",
+        DecodeSettings(max_new_tokens=2),
+    )
     assert len(g.tokens) == 2
 
 
@@ -207,26 +266,37 @@ def test_family_table_in_readme_lists_every_tested_family():
         assert f"`{family}`" in readme, family
 
 
-@pytest.mark.parametrize("family, overrides, message", [
-    ("falcon", ["policy=full"], "attention interface"),
-    ("bloom", ["policy=h2o"], "attention interface"),
-    ("gpt2", ["policy=streamingllm", "policy.positions=reindex"], "positions=absolute"),
-    ("opt", ["policy=window", "policy.positions=reindex"], "positions=absolute"),
-    ("mistral-window", ["policy=h2o", "policy.merge=true"], "merge"),
-])
+@pytest.mark.parametrize(
+    "family, overrides, message",
+    [
+        ("falcon", ["policy=full"], "attention interface"),
+        ("bloom", ["policy=h2o"], "attention interface"),
+        ("gpt2", ["policy=streamingllm", "policy.positions=reindex"], "positions=absolute"),
+        ("opt", ["policy=window", "policy.positions=reindex"], "positions=absolute"),
+        ("mistral-window", ["policy=h2o", "policy.merge=true"], "merge"),
+    ],
+)
 def test_the_runner_refuses_from_the_config_before_any_weights_load(tmp_path, monkeypatch, family, overrides, message):
     """A local directory holding only config.json: a refusal that needed the weights would fail differently."""
-    import kvbench.run as runner
     from hydra import compose, initialize_config_dir
 
+    import kvbench.run as runner
     from kvbench.config import ConfigError
 
     config = REFUSED[family][0](**REFUSED[family][1]) if family in REFUSED else family_config(family)
     config.save_pretrained(tmp_path / "model")
     monkeypatch.setattr(runner, "get_model", lambda *_: pytest.fail("the model loaded before the refusal"))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["model=hf", f"model.name_or_path={tmp_path / 'model'}", "task.n=1",
-                                           f"results_dir={tmp_path / 'results'}", *overrides])
+        cfg = compose(
+            "config",
+            overrides=[
+                "model=hf",
+                f"model.name_or_path={tmp_path / 'model'}",
+                "task.n=1",
+                f"results_dir={tmp_path / 'results'}",
+                *overrides,
+            ],
+        )
     with pytest.raises(ConfigError, match=message):
         runner.run_cell(cfg, tmp_path / "cell", "t")
 
@@ -273,30 +343,44 @@ def test_statistics_and_output_are_the_softcapped_windowed_attention_numpy_compu
     q_pos = k_pos[past:]
     Q, K, V = (rng.normal(size=s).astype(np.float32) * 2 for s in ((hq, q, d), (hkv, n, d), (hkv, n, d)))
     K_rep, V_rep = np.repeat(K, hq // hkv, 0), np.repeat(V, hq // hkv, 0)
-    probs, out, visible = np_attention(Q, K_rep, V_rep, d ** -0.5, cap, window, q_pos, k_pos)
+    probs, out, visible = np_attention(Q, K_rep, V_rep, d**-0.5, cap, window, q_pos, k_pos)
     group_mean = probs.reshape(hkv, hq // hkv, q, n).mean(1)
     t = lambda a: torch.tensor(a).unsqueeze(0)  # noqa: E731
     win = Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos).unsqueeze(0))
-    got = attention.attention_statistics(t(Q), t(K), d ** -0.5, past, None, frozenset({"acc", "sumsq", "last", "qlog"}),
-                                         history=3, window=win, softcap=cap, value=t(V))
+    got = attention.attention_statistics(
+        t(Q),
+        t(K),
+        d**-0.5,
+        past,
+        None,
+        frozenset({"acc", "sumsq", "last", "qlog"}),
+        history=3,
+        window=win,
+        softcap=cap,
+        value=t(V),
+    )
     np.testing.assert_allclose(got["acc"], group_mean.sum(1), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got["sumsq"], (group_mean ** 2).sum(1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["sumsq"], (group_mean**2).sum(1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["last"], group_mean[:, -1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["qlog"], group_mean[:, -3:], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["qlog_nvis"], np.broadcast_to(visible[-3:].sum(-1), (hkv, 3)))
     np.testing.assert_allclose(got["output"][0].transpose(0, 1), out, rtol=1e-5, atol=1e-5)
     # The decode step (the chunk's last query alone over every key) computes the same row and output.
     last = Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos[-1:]).unsqueeze(0))
-    output, stats = attention.decode_attention(t(Q[:, -1:]), t(K), t(V), d ** -0.5, None, frozenset({"acc"}),
-                                               window=last, softcap=cap)
+    output, stats = attention.decode_attention(
+        t(Q[:, -1:]), t(K), t(V), d**-0.5, None, frozenset({"acc"}), window=last, softcap=cap
+    )
     np.testing.assert_allclose(stats["acc"], group_mean[:, -1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(output[0, 0], out[:, -1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("config, message", [
-    (lambda: __import__("transformers").GptOssConfig(), "s_aux"),
-    (lambda: __import__("transformers").Qwen2MoeConfig(use_sliding_window=True, sliding_window=8), "mask alone"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (lambda: __import__("transformers").GptOssConfig(), "s_aux"),
+        (lambda: __import__("transformers").Qwen2MoeConfig(use_sliding_window=True, sliding_window=8), "mask alone"),
+    ],
+)
 def test_arguments_the_family_hands_its_attention_are_checked_from_its_code(config, message):
     """Read from the family's modeling source, before any weights: learned sinks, a window kept in the mask."""
     assert message in support_error(config())
@@ -305,10 +389,29 @@ def test_arguments_the_family_hands_its_attention_are_checked_from_its_code(conf
 @pytest.mark.parametrize("family", ["mistral-window", "gemma3"])
 def test_kvbench_masked_replay_holds_on_sliding_layers(family, prompt):
     model = build(family)
-    g = generate(model, None, prompt, build_policy(named("h2o")), 3, "both", DecodeSettings(max_new_tokens=NEW),
-                 trace=True, return_logits=True)
-    r = generate(model, None, prompt, build_policy(named("full")), 1.0, "both", DecodeSettings(max_new_tokens=NEW),
-                 forced_tokens=g.tokens, replay_trace=g.trace, return_logits=True)
+    g = generate(
+        model,
+        None,
+        prompt,
+        build_policy(named("h2o")),
+        3,
+        "both",
+        DecodeSettings(max_new_tokens=NEW),
+        trace=True,
+        return_logits=True,
+    )
+    r = generate(
+        model,
+        None,
+        prompt,
+        build_policy(named("full")),
+        1.0,
+        "both",
+        DecodeSettings(max_new_tokens=NEW),
+        forced_tokens=g.tokens,
+        replay_trace=g.trace,
+        return_logits=True,
+    )
     torch.testing.assert_close(r.logits, g.logits, rtol=1e-4, atol=1e-4)
 
 

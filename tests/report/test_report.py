@@ -1,4 +1,5 @@
 """kvbench.report: the plotted numbers, tables and report files, checked without looking at pixels."""
+
 from __future__ import annotations
 
 import json
@@ -54,11 +55,22 @@ def row(
 ) -> dict:
     """One ok result row shaped like the runner's, with the score also under ``metric.<metric>``."""
     record = {
-        "model": model, "task": task, "policy": policy, "budget": budget, "stage": stage,
-        "example_id": example, "run_dir": "run", "status": "ok", "primary_metric": metric,
-        "score": score, f"metric.{metric}": score, "budget_tokens": 100,
+        "model": model,
+        "task": task,
+        "policy": policy,
+        "budget": budget,
+        "stage": stage,
+        "example_id": example,
+        "run_dir": "run",
+        "status": "ok",
+        "primary_metric": metric,
+        "score": score,
+        f"metric.{metric}": score,
+        "budget_tokens": 100,
         "budget_achieved": achieved if achieved is not None else (budget if budget <= 1 else 0.5),
-        "prompt_tokens": 200, "new_tokens": 8, **SYSTEMS,
+        "prompt_tokens": 200,
+        "new_tokens": 8,
+        **SYSTEMS,
     }
     record.update(extra)
     return record
@@ -66,8 +78,15 @@ def row(
 
 def error_row(policy: str, budget: float, example: str, **identity: str) -> dict:
     base = {"model": "m", "task": "retrieval", "stage": "prefill", **identity}
-    return {**base, "policy": policy, "budget": budget, "example_id": example, "run_dir": "run",
-            "status": "error", "error": "CUDA out of memory"}
+    return {
+        **base,
+        "policy": policy,
+        "budget": budget,
+        "example_id": example,
+        "run_dir": "run",
+        "status": "error",
+        "error": "CUDA out of memory",
+    }
 
 
 def write_rows(directory: Path, rows: list[dict], torn: bool = False) -> Path:
@@ -98,8 +117,10 @@ def policy_bars(fig: Figure, policy: str, panel: int = 0) -> ErrorbarContainer:
 
 def test_line_is_mean_score_against_mean_achieved_budget_sorted(tmp_path: Path) -> None:
     rows = [  # larger budget written first: the line must still run left to right
-        row("h2o", 0.5, 1.0, "0", achieved=0.40), row("h2o", 0.5, 0.0, "1", achieved=0.50),
-        row("h2o", 0.2, 0.2, "0", achieved=0.10), row("h2o", 0.2, 0.6, "1", achieved=0.30),
+        row("h2o", 0.5, 1.0, "0", achieved=0.40),
+        row("h2o", 0.5, 0.0, "1", achieved=0.50),
+        row("h2o", 0.2, 0.2, "0", achieved=0.10),
+        row("h2o", 0.2, 0.6, "1", achieved=0.30),
         row("h2o", 0.2, 0.7, "2", achieved=0.20),
     ]
     write_rows(tmp_path / "sweep", rows)
@@ -212,15 +233,24 @@ def test_two_sweep_directories_are_merged(tmp_path: Path, monkeypatch: pytest.Mo
 def test_partial_sweep_lists_missing_cells_and_counts_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rows = [row(p, b, 0.5, str(i)) for p in ("h2o", "snapkv") for b in (0.2, 0.5) for i in range(3)
-            if (p, b) != ("snapkv", 0.5)]
+    rows = [
+        row(p, b, 0.5, str(i))
+        for p in ("h2o", "snapkv")
+        for b in (0.2, 0.5)
+        for i in range(3)
+        if (p, b) != ("snapkv", 0.5)
+    ]
     rows += [error_row("h2o", 0.2, "3"), row("h2o", 0.2, 0.5, "0", task="xsum", metric="rougeL")]
     write_rows(tmp_path / "sweep", rows)
     assert main([str(tmp_path / "sweep"), "--bootstrap", "50"]) == 0
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     coverage = report.split("## Coverage")[1]
-    for cell in ("| m | retrieval | prefill | snapkv | 50% |", "| m | xsum | prefill | h2o | 50% |",
-                 "| m | xsum | prefill | snapkv | 20% |", "| m | xsum | prefill | snapkv | 50% |"):
+    for cell in (
+        "| m | retrieval | prefill | snapkv | 50% |",
+        "| m | xsum | prefill | h2o | 50% |",
+        "| m | xsum | prefill | snapkv | 20% |",
+        "| m | xsum | prefill | snapkv | 50% |",
+    ):
         assert cell in coverage
     assert "4 missing cells" in coverage
     assert "| m | retrieval | prefill | h2o | 20% | 3 | 1 | CUDA out of memory |" in coverage
@@ -237,9 +267,15 @@ def test_cli_writes_png_pdf_csv_and_markdown(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert main([str(tmp_path / "sweep"), "--out", str(out), "--bootstrap", "100"]) == 0
     report = (out / "report.md").read_text()
-    for stem in ("quality_vs_budget_prefill", "kv_resident_vs_budget_prefill", "peak_memory_vs_budget_prefill",
-                 "decode_tokens_per_s_vs_budget_prefill", "ttft_vs_budget_prefill", "pareto_memory_prefill",
-                 "pareto_latency_prefill"):
+    for stem in (
+        "quality_vs_budget_prefill",
+        "kv_resident_vs_budget_prefill",
+        "peak_memory_vs_budget_prefill",
+        "decode_tokens_per_s_vs_budget_prefill",
+        "ttft_vs_budget_prefill",
+        "pareto_memory_prefill",
+        "pareto_latency_prefill",
+    ):
         assert (out / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (out / f"{stem}.pdf").read_bytes()[:5] == b"%PDF-"
         assert f"]({stem}.png)" in report
@@ -259,12 +295,22 @@ def test_metric_option_plots_another_metric(tmp_path: Path) -> None:
 def test_pareto_frontier_marks_non_dominated_points(tmp_path: Path) -> None:
     assert pareto_mask([1, 2, 3, 2], [0.5, 0.4, 0.9, 0.7]).tolist() == [True, False, True, True]
     assert pareto_mask([1, 2, 3], [0.5, 0.4, 0.9], higher_is_better=False).tolist() == [True, True, False]
-    rows = [row("h2o", 0.5, 0.6, kv_resident_bytes=2 << 20), row("h2o", 0.2, 0.3, kv_resident_bytes=1 << 20),
-            row("tova", 0.5, 0.5, kv_resident_bytes=2 << 20), row("full", 1.0, 0.9, kv_resident_bytes=4 << 20)]
+    rows = [
+        row("h2o", 0.5, 0.6, kv_resident_bytes=2 << 20),
+        row("h2o", 0.2, 0.3, kv_resident_bytes=1 << 20),
+        row("tova", 0.5, 0.5, kv_resident_bytes=2 << 20),
+        row("full", 1.0, 0.9, kv_resident_bytes=4 << 20),
+    ]
     write_rows(tmp_path / "s", rows)
     stats, column, _ = stats_of(tmp_path / "s")
-    fig = pareto_figure(stats[stats["quantity"].eq(column)], stats[stats["quantity"].eq("kv_resident_bytes")],
-                        "prefill", "bytes", "exact_match", {"retrieval": True})
+    fig = pareto_figure(
+        stats[stats["quantity"].eq(column)],
+        stats[stats["quantity"].eq("kv_resident_bytes")],
+        "prefill",
+        "bytes",
+        "exact_match",
+        {"retrieval": True},
+    )
     frontier = policy_line(fig, FRONTIER).get_xydata()
     np.testing.assert_allclose(frontier, [[1 << 20, 0.3], [2 << 20, 0.6], [4 << 20, 0.9]])
     np.testing.assert_allclose(policy_line(fig, "tova").get_xydata(), [[2 << 20, 0.5]])
@@ -272,8 +318,23 @@ def test_pareto_frontier_marks_non_dominated_points(tmp_path: Path) -> None:
 
 def test_budget_labels_and_figure_sizes() -> None:
     assert [budget_label(b) for b in (0.5, 1.0, 0.125, 512, "0.25")] == ["50%", "100%", "12.5%", "512 tok", "25%"]
-    stats = pd.DataFrame([{"model": "m", "task": t, "stage": "prefill", "policy": "h2o", "budget": "50%",
-                           "x": 50.0, "y": 0.5, "ci_low": 0.4, "ci_high": 0.6, "n": 3} for t in ("a", "b")])
+    stats = pd.DataFrame(
+        [
+            {
+                "model": "m",
+                "task": t,
+                "stage": "prefill",
+                "policy": "h2o",
+                "budget": "50%",
+                "x": 50.0,
+                "y": 0.5,
+                "ci_low": 0.4,
+                "ci_high": 0.6,
+                "n": 3,
+            }
+            for t in ("a", "b")
+        ]
+    )
     assert budget_figure(stats[stats["task"].eq("a")], "prefill", "q").get_figwidth() == pytest.approx(3.3)
     wide = budget_figure(stats, "prefill", "q")
     assert wide.get_figwidth() == pytest.approx(6.9)

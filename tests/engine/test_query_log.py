@@ -1,6 +1,7 @@
 """The query log under eviction: entries keep their slot while held, and the log keeps a running sum. Checked
 against a reference that follows each entry by its position, through prompt chunks, many decode steps that each
 evict, and several wraps of the ring, with uniform and per-head (Ada-KV) rows."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -69,7 +70,12 @@ def test_the_running_sum_is_rebuilt_when_the_ring_wraps():
     one leaves the ring; rebuilding it from the rows at each wrap gives the exact sum again."""
     log = QueryLog(1, 2, 3, torch.device("cpu"))
     for p, value in enumerate([1e8, 1.0, 1.0, 1.0, 1.0, 1.0]):
-        log.append(slice(0, 1), torch.full((1, 1, 2), value), torch.ones(1, 1), torch.tensor([p % 3]),
-                   [0] if p % 3 == 2 else [])
+        log.append(
+            slice(0, 1),
+            torch.full((1, 1, 2), value),
+            torch.ones(1, 1),
+            torch.tensor([p % 3]),
+            [0] if p % 3 == 2 else [],
+        )
     assert log.total.tolist() == [[3.0, 3.0]]
     assert log.rows[0].sum(dim=0).tolist() == [3.0, 3.0]

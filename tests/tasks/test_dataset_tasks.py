@@ -2,6 +2,7 @@
 
 Real samples are read from ``shared/data`` beside the repository; tokenizers are built offline.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import REPO, SHARED_DATA
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -19,13 +21,16 @@ from kvbench.tasks.longbench import SUBSETS, LongBench
 from kvbench.tasks.registry import build_task
 from kvbench.tasks.summarization import CNNDailyMail, XSum
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_data = pytest.mark.skipif(not (DATA / "longbench").is_dir(),
-                                reason=f"sample data not found at {DATA} (shared/data beside the repository)")
+ROOT = REPO
+DATA = SHARED_DATA
+needs_data = pytest.mark.skipif(
+    not (DATA / "longbench").is_dir(), reason=f"sample data not found at {DATA} (shared/data beside the repository)"
+)
 
-CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 TRIMMING_CHAT = CHAT.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
 
 
@@ -34,10 +39,17 @@ def make_tokenizer(chat_template: str | None = CHAT) -> PreTrainedTokenizerFast:
     model = Tokenizer(models.BPE())
     model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     model.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = ["The owners said their planned development would create jobs.\n\nQuestion: What is it?\nAnswer:",
-              "Summarise the article above in a single sentence.\nSummary:", "问题：答案：北京大学。"] * 5
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [
+        "The owners said their planned development would create jobs.\n\nQuestion: What is it?\nAnswer:",
+        "Summarise the article above in a single sentence.\nSummary:",
+        "问题：答案：北京大学。",
+    ] * 5
     model.train_from_iterator(corpus, trainer)
     model.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     tok = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>")
@@ -52,8 +64,9 @@ def tok() -> PreTrainedTokenizerFast:
 
 def full_ids(tokenizer: Any, user_text: str, chat: bool) -> list[int]:
     if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(user_text, add_special_tokens=True)
 
@@ -63,9 +76,16 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def longbench_row(i: int, **extra: Any) -> dict[str, Any]:
-    row = {"input": f"Who wrote note {i}?", "context": f"Passage {i}: Ann wrote note {i}. " * 30,
-           "answers": [f"Ann {i}"], "length": 200, "dataset": "hotpotqa", "language": "en",
-           "all_classes": None, "_id": f"id{i}"}
+    row = {
+        "input": f"Who wrote note {i}?",
+        "context": f"Passage {i}: Ann wrote note {i}. " * 30,
+        "answers": [f"Ann {i}"],
+        "length": 200,
+        "dataset": "hotpotqa",
+        "language": "en",
+        "all_classes": None,
+        "_id": f"id{i}",
+    }
     return {**row, **extra}
 
 
@@ -100,8 +120,9 @@ def test_longbench_subsets_load_from_shared_data(subset: str) -> None:
 
 
 def test_local_hub_format_files(tmp_path: Path) -> None:
-    write_jsonl(tmp_path / "test.jsonl", [{"document": f"Doc {i}.", "summary": f"Sum {i}.", "id": str(i)}
-                                         for i in range(5)])
+    write_jsonl(
+        tmp_path / "test.jsonl", [{"document": f"Doc {i}.", "summary": f"Sum {i}.", "id": str(i)} for i in range(5)]
+    )
     write_jsonl(tmp_path / "hotpotqa.jsonl", [longbench_row(i) for i in range(4)])
     xs = XSum(data_dir=str(tmp_path), n=None).examples()
     assert [e.id for e in xs] == ["0", "1", "2", "3", "4"] and xs[2].references == ["Sum 2."]
@@ -188,8 +209,12 @@ def test_config_files_build_their_task(name: str) -> None:
 
 def test_question_split_concatenates_to_the_whole_prompt(tok: PreTrainedTokenizerFast) -> None:
     row = longbench_row(1)
-    for chat_tok, subset in ((tok, "hotpotqa"), (tok, "trec"), (make_tokenizer(TRIMMING_CHAT), "hotpotqa"),
-                             (make_tokenizer(None), "hotpotqa")):
+    for chat_tok, subset in (
+        (tok, "hotpotqa"),
+        (tok, "trec"),
+        (make_tokenizer(TRIMMING_CHAT), "hotpotqa"),
+        (make_tokenizer(None), "hotpotqa"),
+    ):
         split = LongBench(subset=subset, question_aware=False)
         whole = LongBench(subset=subset, question_aware=True)
         ex_split, ex_whole = split.make_example(row, 0), whole.make_example(row, 0)
@@ -219,8 +244,12 @@ def test_split_inside_a_merged_token(tok: PreTrainedTokenizerFast) -> None:
 
 def test_chat_template_switches(tok: PreTrainedTokenizerFast) -> None:
     row = longbench_row(2)
-    for task, chat in ((LongBench(subset="hotpotqa"), True), (LongBench(subset="hotpotqa", chat_template=False), False),
-                       (LongBench(subset="lcc"), False), (LongBench(subset="samsum"), False)):
+    for task, chat in (
+        (LongBench(subset="hotpotqa"), True),
+        (LongBench(subset="hotpotqa", chat_template=False), False),
+        (LongBench(subset="lcc"), False),
+        (LongBench(subset="samsum"), False),
+    ):
         ids = task.render(task.make_example(row, 0), tok).input_ids
         assert (tok.decode(ids[:1]) == "<|user|>") == chat
         assert (ids[0] == tok.bos_token_id) != chat
@@ -233,7 +262,7 @@ def test_middle_truncation(tok: PreTrainedTokenizerFast) -> None:
     assert len(whole) > 201
     r = task.render(example, tok)
     kept = r.input_ids + r.suffix_ids
-    assert kept == whole[:100] + whole[len(whole) - 101:]
+    assert kept == whole[:100] + whole[len(whole) - 101 :]
     assert r.truncated and r.n_prompt_tokens_raw == len(whole)
     # The question sits in the kept tail, so it is still fed apart, after the context.
     assert tok.decode(r.suffix_ids).startswith("Question: Who wrote note 3?")
@@ -279,5 +308,8 @@ def test_every_subset_is_configured() -> None:
     no_chat = {s for s, spec in SUBSETS.items() if not spec.chat}
     assert no_chat == {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}
     assert {s for s, spec in SUBSETS.items() if spec.first_line} == {"trec", "triviaqa", "samsum", "lsht"}
-    assert all("{input}" in spec.tail for s, spec in SUBSETS.items()
-               if s not in {"gov_report", "multi_news", "vcsum", "passage_count", "lcc"})
+    assert all(
+        "{input}" in spec.tail
+        for s, spec in SUBSETS.items()
+        if s not in {"gov_report", "multi_news", "vcsum", "passage_count", "lcc"}
+    )

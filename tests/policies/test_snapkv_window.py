@@ -2,6 +2,7 @@
 alone would be (avg_pool1d / max_pool1d over the n - w prefix columns, as SnapKV's reference and kvpress do),
 so the window's attention never spills into its neighbours. The window is found by ``count`` (the last
 ``window`` tokens fed), not by index."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,9 @@ from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.plan import LayerPlan
 from kvbench.policies.allocation import Adaptive
 from kvbench.policies.base import Allocation, Policy
-from kvbench.policies.state import TokenState
 from kvbench.policies.scopes import Everything, SinksAndWindow
 from kvbench.policies.scores import ObservationWindow, pool_neighbours
+from kvbench.policies.state import TokenState
 
 
 def torch_pool(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
@@ -29,9 +30,13 @@ def torch_pool(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------- worked by hand
 # n = 10 entries (positions 0..9, all 10 tokens fed), window 3: the window is positions 7, 8, 9 (count 3, 2, 1).
 # The three window queries' rows (causal: query 7 sees 0..7, query 8 sees 0..8, query 9 sees 0..9):
-ROWS = torch.tensor([[1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 4.0, 0.0, 0.0],
-                     [1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 4.0, 5.0, 0.0],
-                     [1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 4.0, 4.0, 6.0]])
+ROWS = torch.tensor(
+    [
+        [1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 4.0, 0.0, 0.0],
+        [1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 4.0, 5.0, 0.0],
+        [1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 4.0, 4.0, 6.0],
+    ]
+)
 # Summed over the window: [3, 0, 6, 0, 0, 0, 3 | 12, 9, 6]; the prefix is the first 7 entries.
 #
 # avg, kernel 3, prefix zero-padded at both ends (the window's 12 is NOT a neighbour of position 6):
@@ -81,8 +86,14 @@ def test_window_is_found_by_count_not_by_index():
     10 and 11, so position 8 (third from the end) pools with the prefix, zero beyond it."""
     positions = torch.tensor([[0, 2, 3, 5, 6, 8, 10, 11]])
     summed = torch.tensor([[3.0, 0.0, 0.0, 6.0, 0.0, 3.0, 12.0, 9.0]])
-    state = TokenState(positions=positions, stats={"qlog": summed.view(1, 1, 8), "qlog_nvis": torch.ones(1, 1),
-                                                   "count": (12 - positions).to(torch.float32)})
+    state = TokenState(
+        positions=positions,
+        stats={
+            "qlog": summed.view(1, 1, 8),
+            "qlog_nvis": torch.ones(1, 1),
+            "count": (12 - positions).to(torch.float32),
+        },
+    )
     got = ObservationWindow(window=3, kernel_size=3, pooling="avg")(state)
     # prefix [3, 0, 0, 6, 0, 3]: 3/3, 3/3, 6/3, 6/3, 9/3, 3/3 (position 8 does not read the 12 of position 10);
     # the window [12, 9] unpooled
@@ -100,8 +111,11 @@ def test_pooled_prefix_is_bit_for_bit_torch_pooling_of_the_prefix(n, w, kernel, 
     got = pool_neighbours(x, kernel, pooling, window)
     assert torch.equal(got[:, : n - w], torch_pool(x[:, : n - w], kernel, pooling))
     assert torch.equal(got[:, n - w :], x[:, n - w :])  # the window unpooled
-    assert torch.equal(x, torch.rand(3, n, generator=torch.Generator().manual_seed(n + kernel + w))
-                       * torch.tensor([[1.0], [1e-3], [7.0]]))  # the scores are never written
+    assert torch.equal(
+        x,
+        torch.rand(3, n, generator=torch.Generator().manual_seed(n + kernel + w))
+        * torch.tensor([[1.0], [1e-3], [7.0]]),
+    )  # the scores are never written
     # Without a window: unchanged, the pooling of the whole row.
     assert torch.equal(pool_neighbours(x, kernel, pooling), torch_pool(x, kernel, pooling))
 
@@ -116,8 +130,11 @@ def test_padding_pools_as_before_and_is_never_the_window(pooling):
     valid = torch.tensor([[True] * 9, [True] * 6 + [False] * 3])
     summed = torch.rand(2, 9, generator=torch.Generator().manual_seed(3)) * valid
     count = (fed - positions).to(torch.float32) * valid
-    state = TokenState(positions=positions, valid=valid,
-                       stats={"qlog": summed.unsqueeze(1), "qlog_nvis": torch.ones(2, 1), "count": count})
+    state = TokenState(
+        positions=positions,
+        valid=valid,
+        stats={"qlog": summed.unsqueeze(1), "qlog_nvis": torch.ones(2, 1), "count": count},
+    )
     score = ObservationWindow(window=4, kernel_size=5, pooling=pooling)
     assert score.in_window(state).tolist() == [[False] * 5 + [True] * 4, [False] * 3 + [True] * 3 + [False] * 3]
     got = score(state)
@@ -182,6 +199,12 @@ def test_decode_window_follows_the_query_log():
     shifted it by one entry."""
     score = ObservationWindow(window=3, kernel_size=3)
     positions = torch.arange(11).view(1, 11)
-    state = TokenState(positions=positions, stats={"qlog": torch.zeros(1, 3, 11), "qlog_nvis": torch.ones(1, 3),
-                                                   "count": (11 - positions).to(torch.float32)})
+    state = TokenState(
+        positions=positions,
+        stats={
+            "qlog": torch.zeros(1, 3, 11),
+            "qlog_nvis": torch.ones(1, 3),
+            "count": (11 - positions).to(torch.float32),
+        },
+    )
     assert score.in_window(state).nonzero()[:, 1].tolist() == [8, 9, 10]

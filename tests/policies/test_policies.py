@@ -5,24 +5,22 @@ budget is never exceeded (per layer, or per layer total under per-head allocatio
 windows are never evicted, and a budget at least the sequence length gives the full cache's tokens.
 Merging and quantisation change stored values, so they are checked against their own formulas instead.
 """
-from __future__ import annotations
 
-from pathlib import Path
+from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from conftest import CONFIG_DIR
 from omegaconf import OmegaConf
 
 from kvbench.engine import attention as attention_module
 from kvbench.engine.cache.cache import KVCache
-from kvbench.engine.plan import LayerPlan
 from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.plan import LayerPlan
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes import Robust, SinksAndWindow
 from kvbench.policies.scores import attention_mean_std
-
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
@@ -53,8 +51,18 @@ CASES = [(n, s) for n in NAMED for s in STAGES if s not in named(n).unsupported_
 
 
 def run(tiny, ids, policy, budget, stage, **kw):
-    return generate(tiny.model, None, ids, policy, budget, stage, DecodeSettings(max_new_tokens=NEW),
-                    stride=STRIDE, return_logits=True, **kw)
+    return generate(
+        tiny.model,
+        None,
+        ids,
+        policy,
+        budget,
+        stage,
+        DecodeSettings(max_new_tokens=NEW),
+        stride=STRIDE,
+        return_logits=True,
+        **kw,
+    )
 
 
 class Spy:
@@ -72,8 +80,23 @@ class Spy:
 
 
 def test_every_named_policy_has_a_config():
-    assert set(NAMED) >= {"full", "window", "streamingllm", "random", "h2o", "scissorhands", "tova", "roco",
-                          "snapkv", "knorm", "vatp", "pyramidkv", "adakv", "mean_window", "accumulated_robust"}
+    assert set(NAMED) >= {
+        "full",
+        "window",
+        "streamingllm",
+        "random",
+        "h2o",
+        "scissorhands",
+        "tova",
+        "roco",
+        "snapkv",
+        "knorm",
+        "vatp",
+        "pyramidkv",
+        "adakv",
+        "mean_window",
+        "accumulated_robust",
+    }
     for name in NAMED:
         cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), resolve=True)
         assert cfg["name"] == name
@@ -142,10 +165,26 @@ def test_stage_refusal_and_command_line_overrides():
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         bad = compose("config", overrides=["model=tiny-llama", "policy=snapkv", "stage=decode"])
-        cfg = compose("config", overrides=["model=tiny-llama", "policy=snapkv", "policy.score.window=16",
-                                           "policy.score.pooling=max", "policy.scope.n_sink=8"])
-        roco = compose("config", overrides=["policy=roco", "policy.scope.rho_decode=0.5", "policy.merge=true",
-                                            "policy.quantize=int8", "policy.positions=reindex"])
+        cfg = compose(
+            "config",
+            overrides=[
+                "model=tiny-llama",
+                "policy=snapkv",
+                "policy.score.window=16",
+                "policy.score.pooling=max",
+                "policy.scope.n_sink=8",
+            ],
+        )
+        roco = compose(
+            "config",
+            overrides=[
+                "policy=roco",
+                "policy.scope.rho_decode=0.5",
+                "policy.merge=true",
+                "policy.quantize=int8",
+                "policy.positions=reindex",
+            ],
+        )
     with pytest.raises(ConfigError, match="policy=snapkv cannot run in stage=decode"):
         validate(bad)
     for name in ("snapkv", "pyramidkv", "adakv"):
@@ -214,8 +253,16 @@ def test_hit_counts_match_eager_attention(tiny, random_ids, monkeypatch):
     spy = Spy(monkeypatch)
     history = 6
     ids = random_ids(19, seed=17)
-    g = generate(tiny.model, None, ids, named("scissorhands", score={"history": history}), 100, "both",
-                 DecodeSettings(max_new_tokens=5), stride=4)
+    g = generate(
+        tiny.model,
+        None,
+        ids,
+        named("scissorhands", score={"history": history}),
+        100,
+        "both",
+        DecodeSettings(max_new_tokens=5),
+        stride=4,
+    )
     seq = ids + g.tokens[:-1]
     attentions = eager_attentions(tiny.model, seq)
     n = len(seq)
@@ -227,20 +274,40 @@ def test_hit_counts_match_eager_attention(tiny, random_ids, monkeypatch):
         assert layer.policy.score(state).tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("cfg", [
-    {"name": "vatp", "score": {"kind": "value_aware", "p": 1}, "scope": {"kind": "sinks_window", "n_sink": 2}},
-    {"name": "vatp_int8_merge", "score": {"kind": "value_aware", "p": 2}, "scope": {"kind": "sinks_window", "n_sink": 2},
-     "quantize": "int8", "merge": True},
-    {"name": "knorm", "score": "key_norm"},
-    {"name": "ada_vatp", "score": {"kind": "value_aware", "p": 1}, "scope": {"kind": "sinks_window", "n_sink": 2},
-     "allocation": {"kind": "adaptive"}},
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"name": "vatp", "score": {"kind": "value_aware", "p": 1}, "scope": {"kind": "sinks_window", "n_sink": 2}},
+        {
+            "name": "vatp_int8_merge",
+            "score": {"kind": "value_aware", "p": 2},
+            "scope": {"kind": "sinks_window", "n_sink": 2},
+            "quantize": "int8",
+            "merge": True,
+        },
+        {"name": "knorm", "score": "key_norm"},
+        {
+            "name": "ada_vatp",
+            "score": {"kind": "value_aware", "p": 1},
+            "scope": {"kind": "sinks_window", "n_sink": 2},
+            "allocation": {"kind": "adaptive"},
+        },
+    ],
+)
 def test_write_time_features_follow_their_entries(tiny, random_ids, monkeypatch, cfg):
     """Value and key norms are taken once, when an entry is written; through compaction, merging and
     quantisation they must still be the norms of the entries the cache holds."""
     spy = Spy(monkeypatch)
-    generate(tiny.model, None, random_ids(40, seed=18), build_policy(cfg), 0.3, "both",
-             DecodeSettings(max_new_tokens=6), stride=8)
+    generate(
+        tiny.model,
+        None,
+        random_ids(40, seed=18),
+        build_policy(cfg),
+        0.3,
+        "both",
+        DecodeSettings(max_new_tokens=6),
+        stride=8,
+    )
     for layer in spy.cache.layers:
         state = layer.state()
         valid = state.valid_mask()
@@ -317,12 +384,32 @@ def test_adakv_decode_steps_never_see_freed_slots(tiny, random_ids, monkeypatch)
 
     monkeypatch.setattr(KVCache, "write", record)
     ids = random_ids(PROMPT, seed=22)
-    g = generate(tiny.model, None, ids, named("adakv"), 0.6, "both", DecodeSettings(max_new_tokens=NEW), stride=2,
-                 return_logits=True, trace=True)
+    g = generate(
+        tiny.model,
+        None,
+        ids,
+        named("adakv"),
+        0.6,
+        "both",
+        DecodeSettings(max_new_tokens=NEW),
+        stride=2,
+        return_logits=True,
+        trace=True,
+    )
     assert any(holes)  # decode steps attended rows with free slots
-    r = generate(tiny.model, None, ids, build_policy({"name": "full"}), 1.0, "both",
-                 DecodeSettings(max_new_tokens=NEW), stride=2, return_logits=True, forced_tokens=g.tokens,
-                 replay_trace=g.trace)
+    r = generate(
+        tiny.model,
+        None,
+        ids,
+        build_policy({"name": "full"}),
+        1.0,
+        "both",
+        DecodeSettings(max_new_tokens=NEW),
+        stride=2,
+        return_logits=True,
+        forced_tokens=g.tokens,
+        replay_trace=g.trace,
+    )
     torch.testing.assert_close(g.logits, r.logits, rtol=1e-4, atol=1e-4)
 
 
@@ -355,8 +442,14 @@ def test_statistics_are_collected_only_while_a_later_step_evicts(tiny, random_id
 
 
 def test_adaptive_allocation_in_decode_holds_the_layer_total(tiny, random_ids):
-    policy = build_policy({"name": "ada-h2o", "score": "accumulated", "scope": {"kind": "sinks_window", "n_sink": 2},
-                           "allocation": {"kind": "adaptive", "floor": 0.2}})
+    policy = build_policy(
+        {
+            "name": "ada-h2o",
+            "score": "accumulated",
+            "scope": {"kind": "sinks_window", "n_sink": 2},
+            "allocation": {"kind": "adaptive", "floor": 0.2},
+        }
+    )
     ids = random_ids(40, seed=15)
     g = run(tiny, ids, policy, 0.3, "decode", trace=True)
     r = run(tiny, ids, build_policy({"name": "full"}), 1.0, "decode", forced_tokens=g.tokens, replay_trace=g.trace)
@@ -376,8 +469,9 @@ def test_quantised_cache_bytes_and_values(tiny, random_ids, monkeypatch, kind, n
     ids = random_ids(40, seed=16)
     q = generate(tiny.model, None, ids, named(name, quantize=kind), 0.5, stage, DecodeSettings(max_new_tokens=6))
     qcache = spy.cache
-    full = generate(tiny.model, None, ids, named("full"), 1.0, stage, DecodeSettings(max_new_tokens=6),
-                    forced_tokens=q.tokens)
+    full = generate(
+        tiny.model, None, ids, named("full"), 1.0, stage, DecodeSettings(max_new_tokens=6), forced_tokens=q.tokens
+    )
     fcache = spy.cache
     held = sum(sum(layer.state().lengths().tolist()) for layer in qcache.layers)  # entries (token × KV head)
     assert q.kv_resident_bytes == held * 2 * (16 * 1 + 4)  # K and V: 16 one-byte codes + a float32 scale
@@ -497,8 +591,15 @@ def test_reindex_feeds_contiguous_positions_and_rerotates_kept_keys(tiny, random
     spy = Spy(monkeypatch)
     try:
         ids = random_ids(30, seed=18)
-        g = generate(tiny.model, None, ids, named("streamingllm", positions="reindex"), 10, "both",
-                     DecodeSettings(max_new_tokens=6))
+        g = generate(
+            tiny.model,
+            None,
+            ids,
+            named("streamingllm", positions="reindex"),
+            10,
+            "both",
+            DecodeSettings(max_new_tokens=6),
+        )
     finally:
         AttentionInterface.register(attention_module.ATTN_NAME, attention_module.kvbench_attention)
     # The prompt at 0..29 (nothing held yet), then each decoded token right after the 10 held: position 10.
@@ -533,5 +634,6 @@ def test_reindex_at_full_budget_matches_full_and_needs_rope(tiny, random_ids):
     torch.testing.assert_close(g.logits, ref.logits, rtol=1e-4, atol=1e-4)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=300, n_positions=64)).eval()
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no rotary position embedding; use positions=absolute"):
-        generate(gpt2, None, ids, named("streamingllm", positions="reindex"), 10, "both",
-                 DecodeSettings(max_new_tokens=2))
+        generate(
+            gpt2, None, ids, named("streamingllm", positions="reindex"), 10, "both", DecodeSettings(max_new_tokens=2)
+        )

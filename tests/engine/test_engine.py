@@ -1,4 +1,5 @@
 """Engine invariants: exactness at full budget, masked-replay equivalence, absolute positions, budgets."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,10 @@ STAGES = ["prefill", "decode", "both"]
 
 
 def hf_greedy(model, ids: list[int], n: int):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    return out.sequences[0, len(ids):].tolist(), torch.stack(out.logits)[:, 0].float()
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    return out.sequences[0, len(ids) :].tolist(), torch.stack(out.logits)[:, 0].float()
 
 
 @pytest.mark.parametrize("stride", [None, 7])
@@ -31,9 +33,18 @@ def test_budget_at_least_length_equals_generate_tiny(tiny, random_ids, name, sta
     ids = random_ids(40)
     ref_tokens, ref_logits = hf_greedy(tiny.model, ids, 12)
     # In "both" a fraction is of the prompt, held during decoding too, so only a token count covers it all.
-    for budget in ((1.0, 40 + 12) if stage != "both" else (40 + 12, 100)):
-        g = generate(tiny.model, tiny.tokenizer, ids, build_policy(POLICIES[name]), budget, stage,
-                     DecodeSettings(max_new_tokens=12), stride=stride, return_logits=True)
+    for budget in (1.0, 40 + 12) if stage != "both" else (40 + 12, 100):
+        g = generate(
+            tiny.model,
+            tiny.tokenizer,
+            ids,
+            build_policy(POLICIES[name]),
+            budget,
+            stage,
+            DecodeSettings(max_new_tokens=12),
+            stride=stride,
+            return_logits=True,
+        )
         assert g.tokens == ref_tokens
         torch.testing.assert_close(g.logits, ref_logits, rtol=1e-5, atol=1e-5)
 
@@ -44,16 +55,34 @@ def test_budget_at_least_length_equals_generate_smollm(smollm, name):
     ids = tok("The capital of France is Paris. The capital of Italy is")["input_ids"]
     ref_tokens, ref_logits = hf_greedy(smollm.model, ids, 8)
     for stage in STAGES:
-        g = generate(smollm.model, tok, ids, build_policy(POLICIES[name]), len(ids) + 8, stage,
-                     DecodeSettings(max_new_tokens=8), return_logits=True)
+        g = generate(
+            smollm.model,
+            tok,
+            ids,
+            build_policy(POLICIES[name]),
+            len(ids) + 8,
+            stage,
+            DecodeSettings(max_new_tokens=8),
+            return_logits=True,
+        )
         assert g.tokens == ref_tokens[: len(g.tokens)]
         torch.testing.assert_close(g.logits, ref_logits[: len(g.tokens)], rtol=1e-4, atol=1e-4)
 
 
 def replay(tiny, ids, g, stage, stride):
-    return generate(tiny.model, None, ids, build_policy(POLICIES["full"]), 1.0, stage,
-                    DecodeSettings(max_new_tokens=len(g.tokens)), stride=stride, return_logits=True,
-                    forced_tokens=g.tokens, replay_trace=g.trace)
+    return generate(
+        tiny.model,
+        None,
+        ids,
+        build_policy(POLICIES["full"]),
+        1.0,
+        stage,
+        DecodeSettings(max_new_tokens=len(g.tokens)),
+        stride=stride,
+        return_logits=True,
+        forced_tokens=g.tokens,
+        replay_trace=g.trace,
+    )
 
 
 @pytest.mark.parametrize("stride", [None, 8])
@@ -61,13 +90,33 @@ def replay(tiny, ids, g, stage, stride):
 @pytest.mark.parametrize("name", EVICTING)
 def test_eviction_equals_masked_replay(tiny, random_ids, name, stage, stride):
     ids = random_ids(48, seed=1)
-    g = generate(tiny.model, None, ids, build_policy(POLICIES[name]), 0.3, stage,
-                 DecodeSettings(max_new_tokens=16), stride=stride, return_logits=True, trace=True)
+    g = generate(
+        tiny.model,
+        None,
+        ids,
+        build_policy(POLICIES[name]),
+        0.3,
+        stage,
+        DecodeSettings(max_new_tokens=16),
+        stride=stride,
+        return_logits=True,
+        trace=True,
+    )
     r = replay(tiny, ids, g, stage, stride)
     torch.testing.assert_close(g.logits, r.logits, rtol=1e-4, atol=1e-4)
     # The comparison has teeth: the unmasked full cache gives different logits.
-    full = generate(tiny.model, None, ids, build_policy(POLICIES["full"]), 1.0, stage,
-                    DecodeSettings(max_new_tokens=16), stride=stride, return_logits=True, forced_tokens=g.tokens)
+    full = generate(
+        tiny.model,
+        None,
+        ids,
+        build_policy(POLICIES["full"]),
+        1.0,
+        stage,
+        DecodeSettings(max_new_tokens=16),
+        stride=stride,
+        return_logits=True,
+        forced_tokens=g.tokens,
+    )
     assert (full.logits - g.logits).abs().max() > 1e-2
 
 
@@ -75,8 +124,17 @@ def test_eviction_equals_masked_replay(tiny, random_ids, name, stage, stride):
 @pytest.mark.parametrize("name", EVICTING)
 def test_cache_never_exceeds_budget(tiny, random_ids, name, stage):
     ids = random_ids(50, seed=2)
-    g = generate(tiny.model, None, ids, build_policy(POLICIES[name]), 0.25, stage,
-                 DecodeSettings(max_new_tokens=20), stride=10, trace=True)
+    g = generate(
+        tiny.model,
+        None,
+        ids,
+        build_policy(POLICIES[name]),
+        0.25,
+        stage,
+        DecodeSettings(max_new_tokens=20),
+        stride=10,
+        trace=True,
+    )
     budget = g.budget_tokens
     prefill_steps = 5  # 50 tokens in chunks of 10
     for step, layers in enumerate(g.trace):
@@ -90,12 +148,28 @@ def test_cache_never_exceeds_budget(tiny, random_ids, name, stage):
 
 def test_window_and_streamingllm_keep_exact_positions(tiny, random_ids):
     ids = random_ids(30, seed=3)
-    g = generate(tiny.model, None, ids, build_policy(POLICIES["window"]), 10, "both",
-                 DecodeSettings(max_new_tokens=6), trace=True)
+    g = generate(
+        tiny.model,
+        None,
+        ids,
+        build_policy(POLICIES["window"]),
+        10,
+        "both",
+        DecodeSettings(max_new_tokens=6),
+        trace=True,
+    )
     # 30 prompt tokens + 5 fed decode tokens = positions 0..34; the window holds the last 10.
     assert g.trace[-1][0].tolist() == [list(range(25, 35))] * 2
-    g = generate(tiny.model, None, ids, build_policy(POLICIES["streamingllm"]), 10, "both",
-                 DecodeSettings(max_new_tokens=6), trace=True)
+    g = generate(
+        tiny.model,
+        None,
+        ids,
+        build_policy(POLICIES["streamingllm"]),
+        10,
+        "both",
+        DecodeSettings(max_new_tokens=6),
+        trace=True,
+    )
     assert g.trace[-1][0].tolist() == [[0, 1, 2, 3] + list(range(29, 35))] * 2
 
 
@@ -114,11 +188,20 @@ def test_kept_keys_keep_their_rotation(tiny, random_ids):
 
     KVCache.summary = spy
     try:
-        g = generate(tiny.model, None, ids, build_policy(POLICIES["streamingllm"]), 12, "both",
-                     DecodeSettings(max_new_tokens=8))
+        g = generate(
+            tiny.model, None, ids, build_policy(POLICIES["streamingllm"]), 12, "both", DecodeSettings(max_new_tokens=8)
+        )
         evicting = captured["cache"].layers[0].state()
-        generate(tiny.model, None, ids, build_policy(POLICIES["full"]), 1.0, "both",
-                 DecodeSettings(max_new_tokens=8), forced_tokens=g.tokens)
+        generate(
+            tiny.model,
+            None,
+            ids,
+            build_policy(POLICIES["full"]),
+            1.0,
+            "both",
+            DecodeSettings(max_new_tokens=8),
+            forced_tokens=g.tokens,
+        )
         full = captured["cache"].layers[0].state()
     finally:
         KVCache.summary = original
@@ -145,26 +228,44 @@ def test_budget_resolution_and_capacity():
 
 def test_budget_below_protected_set_is_refused(tiny, random_ids):
     with pytest.raises(ValueError, match="below what policy 'streamingllm' protects"):
-        generate(tiny.model, None, random_ids(20), build_policy(POLICIES["streamingllm"]), 3, "prefill",
-                 DecodeSettings(max_new_tokens=2))
+        generate(
+            tiny.model,
+            None,
+            random_ids(20),
+            build_policy(POLICIES["streamingllm"]),
+            3,
+            "prefill",
+            DecodeSettings(max_new_tokens=2),
+        )
 
 
 def test_achieved_budget_and_resident_bytes(tiny, random_ids):
     ids = random_ids(100, seed=5)
-    g = generate(tiny.model, None, ids, build_policy(POLICIES["window"]), 0.25, "prefill",
-                 DecodeSettings(max_new_tokens=5))
+    g = generate(
+        tiny.model, None, ids, build_policy(POLICIES["window"]), 0.25, "prefill", DecodeSettings(max_new_tokens=5)
+    )
     assert g.budget_tokens == 25 and g.budget_achieved == pytest.approx(0.25)
     per_token = 2 * 2 * 16 * 4  # kv heads × (K + V) × head_dim × float32 bytes, per layer
     assert g.kv_resident_bytes == 4 * (25 + 4) * per_token  # 4 fed decode tokens appended after prefill
-    full = generate(tiny.model, None, ids, build_policy(POLICIES["full"]), 1.0, "prefill",
-                    DecodeSettings(max_new_tokens=5))
+    full = generate(
+        tiny.model, None, ids, build_policy(POLICIES["full"]), 1.0, "prefill", DecodeSettings(max_new_tokens=5)
+    )
     assert full.kv_resident_bytes == 4 * 104 * per_token > g.kv_resident_bytes
 
 
 def test_suffix_is_appended_after_compression(tiny, random_ids):
     ids, suffix = random_ids(40, seed=6), random_ids(6, seed=7)
-    g = generate(tiny.model, None, ids, build_policy(POLICIES["window"]), 10, "prefill",
-                 DecodeSettings(max_new_tokens=3), suffix_ids=suffix, trace=True)
+    g = generate(
+        tiny.model,
+        None,
+        ids,
+        build_policy(POLICIES["window"]),
+        10,
+        "prefill",
+        DecodeSettings(max_new_tokens=3),
+        suffix_ids=suffix,
+        trace=True,
+    )
     # After the context is cut to 10, the 6 suffix tokens are added without eviction.
     assert g.trace[1][0].tolist() == [list(range(30, 46))] * 2
 
@@ -172,9 +273,18 @@ def test_suffix_is_appended_after_compression(tiny, random_ids):
 def test_sampling_is_seeded(tiny, random_ids):
     ids = random_ids(20, seed=8)
     policy = build_policy(POLICIES["full"])
-    runs = [generate(tiny.model, None, ids, policy, 1.0, "prefill",
-                     DecodeSettings(max_new_tokens=10, do_sample=True, temperature=1.5, top_p=0.9, seed=s)).tokens
-            for s in (1, 1, 2)]
+    runs = [
+        generate(
+            tiny.model,
+            None,
+            ids,
+            policy,
+            1.0,
+            "prefill",
+            DecodeSettings(max_new_tokens=10, do_sample=True, temperature=1.5, top_p=0.9, seed=s),
+        ).tokens
+        for s in (1, 1, 2)
+    ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
@@ -182,8 +292,20 @@ def test_sampling_is_seeded(tiny, random_ids):
 def test_fused_forward_matches_the_model_modules(smollm, name):
     """The fused projections only reorder float sums: same tokens, logits within float32 rounding."""
     ids = smollm.tokenizer("Once upon a time, in a small village by the sea, there lived")["input_ids"]
-    runs = {f: generate(smollm.model, smollm.tokenizer, ids, build_policy(POLICIES[name]), 0.5, "both",
-                        DecodeSettings(max_new_tokens=10), return_logits=True, fused=f) for f in (False, True)}
+    runs = {
+        f: generate(
+            smollm.model,
+            smollm.tokenizer,
+            ids,
+            build_policy(POLICIES[name]),
+            0.5,
+            "both",
+            DecodeSettings(max_new_tokens=10),
+            return_logits=True,
+            fused=f,
+        )
+        for f in (False, True)
+    }
     assert runs[True].tokens == runs[False].tokens
     torch.testing.assert_close(runs[True].logits, runs[False].logits, rtol=1e-4, atol=2e-4)
 
@@ -196,8 +318,16 @@ def test_fused_forward_refuses_other_architectures():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=300, n_positions=64))
     assert supports(gpt2) == (False, "model_type 'gpt2' is not one of ('llama',)")
     with pytest.raises(ValueError, match="fused=true but model_type 'gpt2'"):
-        generate(gpt2, None, [1, 2, 3], build_policy(POLICIES["full"]), 1.0, "prefill",
-                 DecodeSettings(max_new_tokens=2), fused=True)
+        generate(
+            gpt2,
+            None,
+            [1, 2, 3],
+            build_policy(POLICIES["full"]),
+            1.0,
+            "prefill",
+            DecodeSettings(max_new_tokens=2),
+            fused=True,
+        )
 
 
 def test_interleaved_generations_equal_each_run_alone(tiny, random_ids):
@@ -205,8 +335,12 @@ def test_interleaved_generations_equal_each_run_alone(tiny, random_ids):
     benchmark does) must give each run exactly what it gives alone: no state is shared between runs."""
     ids = random_ids(40, seed=23)
     h2o = {"name": "h2o", "score": "accumulated", "scope": {"kind": "sinks_window", "n_sink": 2, "window": 0.5}}
-    ada = {"name": "ada", "score": "accumulated", "scope": {"kind": "sinks_window", "n_sink": 2},
-           "allocation": {"kind": "adaptive"}}
+    ada = {
+        "name": "ada",
+        "score": "accumulated",
+        "scope": {"kind": "sinks_window", "n_sink": 2},
+        "allocation": {"kind": "adaptive"},
+    }
     runs = [(h2o, "both"), (ada, "both"), (POLICIES["random"], "decode")]
     settings = DecodeSettings(max_new_tokens=6)
 

@@ -1,6 +1,7 @@
 """The blocked attention pass against NumPy: every statistic and the output, in every block configuration
 (one block, blocks that straddle the diagonal, blocks that skip keys before their window, a chunk after a
 kept past with holes), with GQA groups of one and of several heads."""
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,7 @@ def numpy_attention(Q, K, V, past, k_pos, q_pos, visible_past, window, softcap):
     hq, q, d = Q.shape
     hkv, n, _ = K.shape
     group = hq // hkv
-    logits = np.einsum("hqd,hnd->hqn", Q.astype(np.float64), np.repeat(K, group, 0).astype(np.float64)) * d ** -0.5
+    logits = np.einsum("hqd,hnd->hqn", Q.astype(np.float64), np.repeat(K, group, 0).astype(np.float64)) * d**-0.5
     if softcap is not None:
         logits = softcap * np.tanh(logits / softcap)
     allowed = np.broadcast_to(np.arange(n)[None, :] <= np.arange(q)[:, None] + past, (hkv, q, n)).copy()
@@ -31,8 +32,14 @@ def numpy_attention(Q, K, V, past, k_pos, q_pos, visible_past, window, softcap):
     p /= p.sum(-1, keepdims=True)
     output = np.einsum("hqn,hnd->qhd", p, np.repeat(V, group, 0).astype(np.float64))
     mean = p.reshape(hkv, group, q, n).mean(1)
-    return {"acc": mean.sum(1), "sumsq": (mean ** 2).sum(1), "last": mean[:, -1], "qlog": mean[:, -HISTORY:],
-            "qlog_nvis": allowed[:, -HISTORY:].sum(-1).astype(np.float64), "output": output}
+    return {
+        "acc": mean.sum(1),
+        "sumsq": (mean**2).sum(1),
+        "last": mean[:, -1],
+        "qlog": mean[:, -HISTORY:],
+        "qlog_nvis": allowed[:, -HISTORY:].sum(-1).astype(np.float64),
+        "output": output,
+    }
 
 
 CASES = {  # name: (hq, hkv, past, q, window, softcap, hide past entries)
@@ -66,14 +73,15 @@ def test_blocked_pass_equals_numpy(case, block, monkeypatch):
         assert (window is None) or any(lo > 0 for _, _, lo in schedule)
     if block == 400 and window is None:
         assert 1 < len(schedule) < q  # blocks of several queries, each straddling the diagonal
-    got = blocked.attention_statistics(t(Q), t(K), d ** -0.5, past, hidden, NEEDS, HISTORY, win, softcap, t(V))
+    got = blocked.attention_statistics(t(Q), t(K), d**-0.5, past, hidden, NEEDS, HISTORY, win, softcap, t(V))
     for name, ref in expected.items():
         value = got[name][0] if name == "output" else got[name]
         np.testing.assert_allclose(value.double().numpy(), ref, rtol=2e-5, atol=2e-6, err_msg=name)
     # Each statistic alone (the sums alone skip the group's mean rows; the last rows alone skip the rest).
     for need in ("acc", "sumsq", "last", "qlog"):
-        alone = blocked.attention_statistics(t(Q), t(K), d ** -0.5, past, hidden, frozenset({need}), HISTORY, win,
-                                             softcap)
+        alone = blocked.attention_statistics(
+            t(Q), t(K), d**-0.5, past, hidden, frozenset({need}), HISTORY, win, softcap
+        )
         assert set(alone) == {need} | ({"qlog_nvis"} if need == "qlog" else set())
         for name, value in alone.items():
             np.testing.assert_allclose(value.double().numpy(), expected[name], rtol=2e-5, atol=2e-6, err_msg=name)
@@ -101,17 +109,20 @@ def test_logits_beyond_float32_exponentials_are_computed_again_shifted(extreme, 
     hq, hkv, q, d = 4, 2, 9, 8
     K = (np.abs(rng.normal(size=(hkv, q, d))) + 1).astype(np.float32)
     V = rng.normal(size=(hkv, q, d)).astype(np.float32)
-    Q = (rng.normal(size=(hq, q, d)) * 40).astype(np.float32) if extreme == "overflow" else \
-        np.full((hq, q, d), -40.0, dtype=np.float32)  # every logit below -100: each row's sum underflows
+    Q = (
+        (rng.normal(size=(hq, q, d)) * 40).astype(np.float32)
+        if extreme == "overflow"
+        else np.full((hq, q, d), -40.0, dtype=np.float32)
+    )  # every logit below -100: each row's sum underflows
     expected = numpy_attention(Q, K, V, 0, np.arange(q), np.arange(q), None, None, None)
     t = lambda a: torch.tensor(a).unsqueeze(0)  # noqa: E731
-    got = blocked.attention_statistics(t(Q), t(K), d ** -0.5, 0, None, NEEDS, HISTORY, value=t(V))
+    got = blocked.attention_statistics(t(Q), t(K), d**-0.5, 0, None, NEEDS, HISTORY, value=t(V))
     assert calls == [False, True]
     for name, ref in expected.items():
         value = got[name][0] if name == "output" else got[name]
         np.testing.assert_allclose(value.double().numpy(), ref, rtol=2e-5, atol=2e-6, err_msg=name)
     calls.clear()
-    blocked.attention_statistics(t(Q / 100), t(K), d ** -0.5, 0, None, NEEDS, HISTORY, value=t(V))
+    blocked.attention_statistics(t(Q / 100), t(K), d**-0.5, 0, None, NEEDS, HISTORY, value=t(V))
     assert calls == [False]  # ordinary logits: one pass
 
 
@@ -131,7 +142,7 @@ def test_blocks_split_across_threads_give_the_one_thread_statistics(monkeypatch)
         for threads in (1, 3):
             torch.set_num_threads(threads)
             with torch.inference_mode():
-                results[threads] = blocked.attention_statistics(Q, K, 8 ** -0.5, 0, None, NEEDS, HISTORY, value=V)
+                results[threads] = blocked.attention_statistics(Q, K, 8**-0.5, 0, None, NEEDS, HISTORY, value=V)
             assert torch.get_num_threads() == threads
             if torch.backends.mkl.is_available():  # the threads' one-thread setting is global to MKL
                 assert f"mkl_get_max_threads() : {threads}" in torch.__config__.parallel_info()

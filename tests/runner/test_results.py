@@ -1,5 +1,6 @@
 """The results writer: append-only rows that survive a crash, the cell lock, the cell's pinned config,
 error files and the end-of-sweep report. No model here; every test takes milliseconds."""
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,30 @@ import time
 import pytest
 
 from kvbench.callbacks import failure_report, summary_table
-from kvbench.results import (CellBusy, CellConflict, CellResults, config_differences, failed_cells, read_rows,
-                             repair_tail, semantic_config, summarize, write_error)
+from kvbench.results import (
+    CellBusy,
+    CellConflict,
+    CellResults,
+    config_differences,
+    failed_cells,
+    read_rows,
+    repair_tail,
+    semantic_config,
+    summarize,
+    write_error,
+)
 
-CONFIG = {"model": {"name": "tiny-llama"}, "policy": {"name": "window"}, "task": {"name": "retrieval", "n": 4},
-          "budget": 0.5, "stage": "prefill", "results_dir": "/r", "sweep_name": "s", "print_table": True,
-          "tracking": {"wandb": {"mode": "disabled"}}}
+CONFIG = {
+    "model": {"name": "tiny-llama"},
+    "policy": {"name": "window"},
+    "task": {"name": "retrieval", "n": 4},
+    "budget": 0.5,
+    "stage": "prefill",
+    "results_dir": "/r",
+    "sweep_name": "s",
+    "print_table": True,
+    "tracking": {"wandb": {"mode": "disabled"}},
+}
 
 
 def row(i: int, status: str = "ok", **extra) -> dict:
@@ -80,9 +99,16 @@ def test_a_cell_is_locked_while_it_runs(tmp_path):
 def test_the_lock_dies_with_its_process(tmp_path):
     """flock is released by the kernel when the holder is SIGKILLed: no stale lock after a crash."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)", str(tmp_path / ".lock")],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+            str(tmp_path / ".lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(CellBusy):
@@ -163,8 +189,18 @@ def test_summary_table_reads_every_finished_cell(tmp_path):
     for policy, budget, score in [("window", 0.5, 0.25), ("random", 0.25, 0.75)]:
         cell = tmp_path / policy / str(budget)
         with CellResults(cell) as c:
-            c.write_summary({"policy": policy, "budget": budget, "stage": "prefill", "task": "retrieval", "n_ok": 2,
-                             "n_error": 0, "mean.score": score, "primary_metric": "accuracy"})
+            c.write_summary(
+                {
+                    "policy": policy,
+                    "budget": budget,
+                    "stage": "prefill",
+                    "task": "retrieval",
+                    "n_ok": 2,
+                    "n_error": 0,
+                    "mean.score": score,
+                    "primary_metric": "accuracy",
+                }
+            )
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "summary.json").write_text("{")  # half-written by hand: skipped
     table = summary_table(tmp_path)

@@ -2,6 +2,7 @@
 
 The reference is never our formula: it is the model's rotary module and its modeling file's
 ``apply_rotary_pos_emb``, called directly on random keys, or caught inside a real forward pass."""
+
 from __future__ import annotations
 
 import importlib
@@ -12,16 +13,29 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvbench.policies.positions import LAYOUTS, Rotary, layer_rotaries, reindex_refusal
 
-BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+BASE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+GEMMA3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+}
 TWO_KINDS = ["sliding_attention", "full_attention"]
 EXTRA = {
     "qwen3": dict(head_dim=8),
     "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                      shared_expert_intermediate_size=16),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+    ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "gemma": dict(head_dim=8),
     "gemma2": dict(head_dim=8, sliding_window=16),
@@ -123,11 +137,30 @@ def reference(model, layer: int):
 CASES = {
     "llama": ("llama", {}),
     "llama-linear": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
-    "llama-llama3": ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
-                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                    "original_max_position_embeddings": 64})),
-    "llama-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                                  "original_max_position_embeddings": 64})),
+    "llama-llama3": (
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "rope_theta": 500000.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+    ),
+    "llama-yarn": (
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+    ),
     "cohere": ("cohere", {}),
     "gptj-partial": ("gptj", {}),
     "gpt_neox-partial": ("gpt_neox", {}),
@@ -150,7 +183,7 @@ def test_rotate_matches_the_familys_rotary(case):
         at_p = ref(x, p)
         torch.testing.assert_close(rot.rotate(x, p), at_p, rtol=1e-5, atol=1e-5)
         if rot.rot_dim < x.shape[-1]:  # partial rotary: the tail passes through
-            assert torch.equal(rot.rotate(x, p)[..., rot.rot_dim:], x[..., rot.rot_dim:])
+            assert torch.equal(rot.rotate(x, p)[..., rot.rot_dim :], x[..., rot.rot_dim :])
         # What the cache does: undo the rotation a key was fed with, later rotate it to a new position.
         raw = rot.unrotate(at_p, p)
         torch.testing.assert_close(raw, x, rtol=1e-5, atol=1e-5)
@@ -217,10 +250,22 @@ def test_supported_configs_pass_and_others_are_refused():
     assert reindex_refusal(AutoConfig.for_model("gemma3")) is None  # multimodal: judged by its text config
     for model_type, rope, why in [
         ("llama", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "recomputes its frequencies"),
-        ("phi3", {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 2,
-                  "long_factor": [2.0] * 2, "original_max_position_embeddings": 64}, "switches frequency tables"),
-        ("gemma3_text", {**GEMMA3_ROPE, "full_attention": {"rope_type": "dynamic", "factor": 2.0,
-                                                           "rope_theta": 1e6}}, "recomputes"),
+        (
+            "phi3",
+            {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0] * 2,
+                "long_factor": [2.0] * 2,
+                "original_max_position_embeddings": 64,
+            },
+            "switches frequency tables",
+        ),
+        (
+            "gemma3_text",
+            {**GEMMA3_ROPE, "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
+            "recomputes",
+        ),
     ]:
         msg = reindex_refusal(tiny_config(model_type, rope_parameters=rope), name="M")
         assert msg and "M uses rope_type=" in msg and why in msg and "policy.positions=absolute" in msg, msg

@@ -1,6 +1,7 @@
 """Gemma 3 270M, the embedded hybrid model (5 sliding-window layers of 512 : 1 global, one KV head), on real
 prompts: the full cache gives ``model.generate``'s greedy text, every named policy runs in every stage it
 supports, and no sliding layer ever holds more than its window."""
+
 from __future__ import annotations
 
 import glob
@@ -8,17 +9,22 @@ import json
 
 import pytest
 import torch
+from conftest import CONFIG_DIR, SHARED_DATA
 from omegaconf import OmegaConf
 
-from conftest import CONFIG_DIR, SHARED_DATA
 from kvbench.engine.generate import DecodeSettings, generate
 from kvbench.families import layer_windows
 from kvbench.policies.registry import build_policy
 
 XSUM = SHARED_DATA / "xsum" / "test.jsonl"
 pytestmark = pytest.mark.skipif(not XSUM.is_file(), reason=f"sample data not found at {XSUM}")
-NAMED = {cfg["name"]: cfg for cfg in (OmegaConf.to_container(OmegaConf.load(p), resolve=True)
-                                      for p in sorted(glob.glob(str(CONFIG_DIR / "policy" / "*.yaml"))))}
+NAMED = {
+    cfg["name"]: cfg
+    for cfg in (
+        OmegaConf.to_container(OmegaConf.load(p), resolve=True)
+        for p in sorted(glob.glob(str(CONFIG_DIR / "policy" / "*.yaml")))
+    )
+}
 
 
 def articles(tokenizer, n: int, at_least: int, at_most: int) -> list[list[int]]:
@@ -35,14 +41,21 @@ def articles(tokenizer, n: int, at_least: int, at_most: int) -> list[list[int]]:
 
 def reference(model, ids: list[int], n: int) -> list[int]:
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def test_full_cache_gives_generates_greedy_text_on_real_prompts(gemma):
     for ids in articles(gemma.tokenizer, 2, 600, 800):
         expected = reference(gemma.model, ids, 16)
-        g = generate(gemma.model, gemma.tokenizer, ids, build_policy(NAMED["full"]), 1.0, "prefill",
-                     DecodeSettings(max_new_tokens=16))
+        g = generate(
+            gemma.model,
+            gemma.tokenizer,
+            ids,
+            build_policy(NAMED["full"]),
+            1.0,
+            "prefill",
+            DecodeSettings(max_new_tokens=16),
+        )
         assert g.tokens == expected[: len(g.tokens)]
         assert g.text == gemma.tokenizer.decode(expected[: len(g.tokens)], skip_special_tokens=True)
         # The sliding layers held their window, the global ones everything.
@@ -55,8 +68,16 @@ def test_policies_at_a_budget_of_the_length_equal_generate(gemma):
     expected = reference(gemma.model, ids, 6)
     for name in ("h2o", "tova", "snapkv", "adakv", "pyramidkv", "roco"):
         for stage, stride in (("both", 256), ("prefill", None)):
-            g = generate(gemma.model, gemma.tokenizer, ids, build_policy(NAMED[name]), len(ids) + 6, stage,
-                         DecodeSettings(max_new_tokens=6), stride=stride)
+            g = generate(
+                gemma.model,
+                gemma.tokenizer,
+                ids,
+                build_policy(NAMED[name]),
+                len(ids) + 6,
+                stage,
+                DecodeSettings(max_new_tokens=6),
+                stride=stride,
+            )
             assert g.tokens == expected[: len(g.tokens)], (name, stage)
 
 
@@ -70,8 +91,17 @@ def test_every_named_policy_runs_in_every_stage_and_sliding_layers_hold_at_most_
             if extra and name not in ("h2o", "snapkv", "adakv", "streamingllm"):
                 continue
             for stage in (s for s in ("prefill", "decode", "both") if s not in policy.unsupported_stages):
-                g = generate(gemma.model, gemma.tokenizer, ids, policy, 0.25, stage, DecodeSettings(max_new_tokens=4),
-                             stride=256, trace=True)
+                g = generate(
+                    gemma.model,
+                    gemma.tokenizer,
+                    ids,
+                    policy,
+                    0.25,
+                    stage,
+                    DecodeSettings(max_new_tokens=4),
+                    stride=256,
+                    trace=True,
+                )
                 assert len(g.tokens) == 4
                 for layers in g.trace:
                     for window, held in zip(windows, layers):

@@ -1,13 +1,14 @@
 """Scores, scopes and selection on small hand-written tensors, with the expected kept sets worked out by hand."""
+
 from __future__ import annotations
 
 import torch
 
 from kvbench.policies.base import Policy
-from kvbench.policies.state import TokenState
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes import Everything, SinksAndWindow
 from kvbench.policies.scores import RandomScore, Recency
+from kvbench.policies.state import TokenState
 
 
 def state(positions: list[list[int]], seed: int = 0) -> TokenState:
@@ -54,8 +55,9 @@ def test_window_fraction_of_budget_and_sink_cap():
 def test_streamingllm_keeps_sinks_plus_recent():
     # budget 7 with 4 sinks and recency: positions 0-3 then the 3 newest.
     s = state([list(range(20)), list(range(20))])
-    policy = build_policy({"name": "streamingllm", "score": "recency",
-                           "scope": {"kind": "sinks_window", "n_sink": 4, "window": 0}})
+    policy = build_policy(
+        {"name": "streamingllm", "score": "recency", "scope": {"kind": "sinks_window", "n_sink": 4, "window": 0}}
+    )
     assert policy.select(s, 7).tolist() == [[0, 1, 2, 3, 17, 18, 19]] * 2
 
 
@@ -93,8 +95,16 @@ from kvbench.policies.base import Allocation, Score  # noqa: E402
 from kvbench.policies.merge import merge_evicted  # noqa: E402
 from kvbench.policies.scopes import Robust, last_n  # noqa: E402
 from kvbench.policies.scores import (  # noqa: E402
-    Accumulated, Hits, KeyNorm, LastQuery, MeanAttention, ObservationWindow, SharedAcrossHeads, ValueAware,
-    attention_mean_std, pool_neighbours,
+    Accumulated,
+    Hits,
+    KeyNorm,
+    LastQuery,
+    MeanAttention,
+    ObservationWindow,
+    SharedAcrossHeads,
+    ValueAware,
+    attention_mean_std,
+    pool_neighbours,
 )
 
 RNG = np.random.default_rng(7)
@@ -141,8 +151,14 @@ REFERENCES = {
     "mean": (MeanAttention(), ACC / COUNT),
     "last": (LastQuery(), LAST),
     "hits": (Hits(history=W, threshold=1.5), ((QLOG >= 1.5 / NVIS[..., None]) & (QLOG > 0)).sum(1)),
-    "snapkv_avg": (ObservationWindow(window=W, kernel_size=3, pooling="avg"), np_window_pool(QLOG.sum(1), 3, "avg", COUNT <= W)),
-    "snapkv_max": (ObservationWindow(window=W, kernel_size=5, pooling="max"), np_window_pool(QLOG.sum(1), 5, "max", COUNT <= W)),
+    "snapkv_avg": (
+        ObservationWindow(window=W, kernel_size=3, pooling="avg"),
+        np_window_pool(QLOG.sum(1), 3, "avg", COUNT <= W),
+    ),
+    "snapkv_max": (
+        ObservationWindow(window=W, kernel_size=5, pooling="max"),
+        np_window_pool(QLOG.sum(1), 5, "max", COUNT <= W),
+    ),
     "key_norm": (KeyNorm(), -np.linalg.norm(KEYS, axis=-1)),
     "value_aware": (ValueAware(base="accumulated", p=1), ACC * np.abs(VALUES).sum(-1)),
     "value_aware_mean_l2": (ValueAware(base="mean", p=2), ACC / COUNT * np.linalg.norm(VALUES, axis=-1)),
@@ -166,24 +182,34 @@ def test_score_matches_numpy_reference_and_keeps_its_top_k(name):
 
 def test_hits_worked_by_hand():
     """History of 4 queries, each saw 5 tokens (uniform share 0.2). Hits per token: 4, 0, 2, 1, 3."""
-    rows = torch.tensor([[0.30, 0.10, 0.25, 0.05, 0.30],
-                         [0.40, 0.15, 0.10, 0.20, 0.15],
-                         [0.25, 0.05, 0.30, 0.10, 0.30],
-                         [0.20, 0.19, 0.10, 0.19, 0.32]])
+    rows = torch.tensor(
+        [
+            [0.30, 0.10, 0.25, 0.05, 0.30],
+            [0.40, 0.15, 0.10, 0.20, 0.15],
+            [0.25, 0.05, 0.30, 0.10, 0.30],
+            [0.20, 0.19, 0.10, 0.19, 0.32],
+        ]
+    )
     hits, nvis = Hits(history=4), torch.full((1, 4), 5.0)
-    s = TokenState(positions=torch.arange(5).view(1, 5), stats={"qlog": hits.log_rows(rows.view(1, 4, 5), nvis), "qlog_nvis": nvis})
+    s = TokenState(
+        positions=torch.arange(5).view(1, 5), stats={"qlog": hits.log_rows(rows.view(1, 4, 5), nvis), "qlog_nvis": nvis}
+    )
     assert hits(s).tolist() == [[4, 0, 2, 1, 3]]
     assert Policy("sh", hits, Everything()).select(s, 2).tolist() == [[0, 4]]
     # Slots never written (nvis 0) hit nothing.
-    empty = TokenState(positions=torch.arange(5).view(1, 5),
-                       stats={"qlog": hits.log_rows(torch.zeros(1, 4, 5), torch.zeros(1, 4)), "qlog_nvis": torch.zeros(1, 4)})
+    empty = TokenState(
+        positions=torch.arange(5).view(1, 5),
+        stats={"qlog": hits.log_rows(torch.zeros(1, 4, 5), torch.zeros(1, 4)), "qlog_nvis": torch.zeros(1, 4)},
+    )
     assert hits(empty).sum() == 0
 
 
 def test_snapkv_pooling_brings_neighbours():
     """One strongly attended token: avg pooling (kernel 3) lifts its two neighbours above the rest."""
     obs = torch.tensor([[0.0, 0.01, 0.0, 0.9, 0.0, 0.02, 0.0, 0.03]])
-    s = TokenState(positions=torch.arange(8).view(1, 8), stats={"qlog": obs.view(1, 1, 8), "qlog_nvis": torch.ones(1, 1)})
+    s = TokenState(
+        positions=torch.arange(8).view(1, 8), stats={"qlog": obs.view(1, 1, 8), "qlog_nvis": torch.ones(1, 1)}
+    )
     assert Policy("s", ObservationWindow(window=1, kernel_size=3), Everything()).select(s, 3).tolist() == [[2, 3, 4]]
     assert Policy("s", ObservationWindow(window=1, kernel_size=1), Everything()).select(s, 3).tolist() == [[3, 5, 7]]
 
@@ -219,8 +245,11 @@ def test_robust_scope_protects_sinks_recent_and_highest_std(phase, n_std):
     mean = rows.sum(0) / count
     std = np.sqrt((rows**2).sum(0) / count - mean**2)
     np.testing.assert_allclose(std, [rows[seen[:, j], j].std() for j in range(n)], atol=1e-12)
-    stats = {"acc": torch.tensor(rows.sum(0)).view(1, n).float(), "sumsq": torch.tensor((rows**2).sum(0)).view(1, n).float(),
-             "count": torch.tensor(count).view(1, n).float()}
+    stats = {
+        "acc": torch.tensor(rows.sum(0)).view(1, n).float(),
+        "sumsq": torch.tensor((rows**2).sum(0)).view(1, n).float(),
+        "count": torch.tensor(count).view(1, n).float(),
+    }
     s = TokenState(positions=torch.arange(n).view(1, n), stats=stats, phase=phase)
     scope = Robust(n_sink=2, n_recent=2, rho_prefill=0.25, rho_decode=0.5)  # floor(rho * 8) = 2 or 4
     middle = np.arange(2, n - 2)
@@ -307,8 +336,13 @@ def np_statistics(q: np.ndarray, k: np.ndarray, past: int, visible: np.ndarray, 
         probs[kv] += p / p.sum(1, keepdims=True) / group
         nvis[kv] = allowed.sum(1)
     r = min(nq, history)
-    return {"acc": probs.sum(1), "sumsq": (probs**2).sum(1), "last": probs[:, -1],
-            "qlog": probs[:, nq - r :], "qlog_nvis": nvis[:, nq - r :]}
+    return {
+        "acc": probs.sum(1),
+        "sumsq": (probs**2).sum(1),
+        "last": probs[:, -1],
+        "qlog": probs[:, nq - r :],
+        "qlog_nvis": nvis[:, nq - r :],
+    }
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -316,18 +350,25 @@ def test_decode_attention_gives_sdpa_output_and_the_reference_statistics(masked)
     """The decode step's single pass: SDPA's output (GQA, with the past mask) and the dense statistics."""
     rng = np.random.default_rng(6)
     q, k, v = rng.normal(size=(4, 1, 8)), rng.normal(size=(2, 9, 8)), rng.normal(size=(2, 9, 8))
-    visible = np.array([[True, False, True, True, True, False, True, True],
-                        [False, True, True, True, True, True, True, True]]) if masked else np.ones((2, 8), bool)
+    visible = (
+        np.array(
+            [[True, False, True, True, True, False, True, True], [False, True, True, True, True, True, True, True]]
+        )
+        if masked
+        else np.ones((2, 8), bool)
+    )
     expected = np_statistics(q, k, 8, visible, history=4)
     t = lambda a: torch.tensor(a).float().unsqueeze(0)  # noqa: E731
     allowed = torch.cat([torch.tensor(visible), torch.ones(2, 1, dtype=torch.bool)], 1)
-    output, got = decode_attention(t(q), t(k), t(v), 8**-0.5, allowed if masked else None,
-                                   frozenset({"acc", "sumsq", "last", "qlog"}), history=4)
+    output, got = decode_attention(
+        t(q), t(k), t(v), 8**-0.5, allowed if masked else None, frozenset({"acc", "sumsq", "last", "qlog"}), history=4
+    )
     for name, ref in expected.items():
         np.testing.assert_allclose(got[name].numpy(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
     allowed = allowed.repeat_interleave(2, 0)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(t(q), t(k).repeat_interleave(2, 1), t(v).repeat_interleave(2, 1),
-                                                            attn_mask=allowed.unsqueeze(1), scale=8**-0.5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        t(q), t(k).repeat_interleave(2, 1), t(v).repeat_interleave(2, 1), attn_mask=allowed.unsqueeze(1), scale=8**-0.5
+    )
     torch.testing.assert_close(output, sdpa.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
@@ -340,21 +381,43 @@ def test_attention_statistics_match_dense_reference_in_any_block_size(block, mon
     q, k = rng.normal(size=(4, 5, 8)), rng.normal(size=(2, 9, 8))
     visible = np.array([[True, False, True, True], [False, True, True, True]])
     expected = np_statistics(q, k, 4, visible, history=3)
-    got = attention_statistics(torch.tensor(q).float().unsqueeze(0), torch.tensor(k).float().unsqueeze(0), 8**-0.5, 4,
-                               torch.tensor(visible), frozenset({"acc", "sumsq", "last", "qlog"}), history=3)
+    got = attention_statistics(
+        torch.tensor(q).float().unsqueeze(0),
+        torch.tensor(k).float().unsqueeze(0),
+        8**-0.5,
+        4,
+        torch.tensor(visible),
+        frozenset({"acc", "sumsq", "last", "qlog"}),
+        history=3,
+    )
     for name, ref in expected.items():
         np.testing.assert_allclose(got[name].numpy(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
     # Policies reading only the last query(s) compute only those rows, to the same values.
     for needs in ({"last"}, {"qlog"}, {"last", "qlog"}):
-        got = attention_statistics(torch.tensor(q).float().unsqueeze(0), torch.tensor(k).float().unsqueeze(0),
-                                   8**-0.5, 4, torch.tensor(visible), frozenset(needs), history=3)
+        got = attention_statistics(
+            torch.tensor(q).float().unsqueeze(0),
+            torch.tensor(k).float().unsqueeze(0),
+            8**-0.5,
+            4,
+            torch.tensor(visible),
+            frozenset(needs),
+            history=3,
+        )
         assert set(got) == set(needs) | ({"qlog_nvis"} if "qlog" in needs else set())
         for name in got:
             np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("scope", [Everything(), SinksAndWindow(n_sink=2, window=3), SinksAndWindow(n_sink=0, window=0.5),
-                                   SinksAndWindow(n_sink=4, window=0), Robust(n_sink=2, n_recent=3, rho_decode=0.4)])
+@pytest.mark.parametrize(
+    "scope",
+    [
+        Everything(),
+        SinksAndWindow(n_sink=2, window=3),
+        SinksAndWindow(n_sink=0, window=0.5),
+        SinksAndWindow(n_sink=4, window=0),
+        Robust(n_sink=2, n_recent=3, rho_decode=0.4),
+    ],
+)
 @pytest.mark.parametrize("budget", [1, 5, 9, 14])
 def test_in_order_shield_is_the_general_protected_set(scope, budget):
     """Heads of one length take slices (``shield``); it must protect exactly what the general masks do, as
@@ -362,8 +425,11 @@ def test_in_order_shield_is_the_general_protected_set(scope, budget):
     g = torch.Generator().manual_seed(budget)
     n, heads = 12, 3
     acc = torch.rand(heads, n, generator=g)
-    stats = {"acc": acc, "sumsq": acc.square() * torch.rand(heads, n, generator=g),
-             "count": torch.arange(n, 0, -1.0).expand(heads, n)}
+    stats = {
+        "acc": acc,
+        "sumsq": acc.square() * torch.rand(heads, n, generator=g),
+        "count": torch.arange(n, 0, -1.0).expand(heads, n),
+    }
     positions = torch.arange(n).expand(heads, n)
     uniform = TokenState(positions=positions, stats=stats, phase="decode")
     padded = TokenState(positions=positions, stats=stats, phase="decode", valid=torch.ones(heads, n, dtype=torch.bool))
@@ -395,6 +461,10 @@ def test_batched_decode_attention_is_each_sequences_own():
             np.testing.assert_allclose(got[name][rows].numpy(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
         mask = torch.tensor(visible[rows]).repeat_interleave(hq // hkv, 0).unsqueeze(1)
         sdpa = torch.nn.functional.scaled_dot_product_attention(
-            t(q[i : i + 1]), t(k[i : i + 1]).repeat_interleave(2, 1), t(v[i : i + 1]).repeat_interleave(2, 1),
-            attn_mask=mask, scale=dim**-0.5)
+            t(q[i : i + 1]),
+            t(k[i : i + 1]).repeat_interleave(2, 1),
+            t(v[i : i + 1]).repeat_interleave(2, 1),
+            attn_mask=mask,
+            scale=dim**-0.5,
+        )
         torch.testing.assert_close(output[i : i + 1], sdpa.transpose(1, 2), rtol=1e-5, atol=1e-6)

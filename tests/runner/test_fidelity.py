@@ -1,5 +1,6 @@
 """Fidelity to the full cache: exact for the full cache, worse under compression, references reused,
 and the KL / top-1 formulas checked by hand."""
+
 from __future__ import annotations
 
 import json
@@ -9,21 +10,31 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import CONFIG_DIR, SHARED_DATA
 from hydra import compose, initialize_config_dir
 
 import kvbench.run as runner
 from kvbench.fidelity import Reference, ReferenceStore, store_at
-from kvbench.metrics.fidelity import (fidelity_rouge_l, kl_divergence, kl_per_step, summarize_logits,
-                                      top1_agreement, topk_mass)
+from kvbench.metrics.fidelity import (
+    fidelity_rouge_l,
+    kl_divergence,
+    kl_per_step,
+    summarize_logits,
+    top1_agreement,
+    topk_mass,
+)
 from kvbench.results import read_rows
-
-from conftest import CONFIG_DIR, SHARED_DATA
-
 
 
 def xsum(n: int = 2, max_new_tokens: int = 8) -> list[str]:
-    return ["model=tiny-llama", "task=xsum", f"task.data_dir={SHARED_DATA / 'xsum'}", f"task.n={n}",
-            "task.max_prompt_tokens=300", f"task.max_new_tokens={max_new_tokens}"]
+    return [
+        "model=tiny-llama",
+        "task=xsum",
+        f"task.data_dir={SHARED_DATA / 'xsum'}",
+        f"task.n={n}",
+        "task.max_prompt_tokens=300",
+        f"task.max_new_tokens={max_new_tokens}",
+    ]
 
 
 XSUM = xsum()
@@ -93,8 +104,14 @@ def test_fidelity_rouge_l():
 
 
 def test_reference_round_trips_through_json(tmp_path):
-    ref = Reference(tokens=[3, 1], text="hi", stop_reason="eos", argmax=[3, 1],
-                    summary=summarize_logits(torch.randn(2, 300), k=7), nll=[0.5, 0.25])
+    ref = Reference(
+        tokens=[3, 1],
+        text="hi",
+        stop_reason="eos",
+        argmax=[3, 1],
+        summary=summarize_logits(torch.randn(2, 300), k=7),
+        nll=[0.5, 0.25],
+    )
     back = Reference.from_json(json.loads(json.dumps(ref.to_json())))
     assert torch.equal(back.summary.ids, ref.summary.ids) and torch.equal(back.summary.logprobs, ref.summary.logprobs)
     assert torch.equal(back.summary.rest, ref.summary.rest)

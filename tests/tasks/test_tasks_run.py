@@ -1,10 +1,12 @@
 """The perplexity and instruction tasks end to end, and the context/question split at run level."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from conftest import CONFIG_DIR, SHARED_DATA
 from hydra import compose, initialize_config_dir
 
 import kvbench.run as runner
@@ -14,10 +16,14 @@ from kvbench.tasks.instructions import BUILTIN_PROMPTS
 from kvbench.tasks.jsonl import read_prompts
 from kvbench.tasks.registry import build_task
 
-from conftest import CONFIG_DIR, SHARED_DATA
-
-PPL = ["model=tiny-llama", "task=perplexity", f"task.data_dir={SHARED_DATA / 'longbench'}", "task.n=2",
-       "task.prefix_tokens=48", "task.score_tokens=24"]
+PPL = [
+    "model=tiny-llama",
+    "task=perplexity",
+    f"task.data_dir={SHARED_DATA / 'longbench'}",
+    "task.n=2",
+    "task.prefix_tokens=48",
+    "task.score_tokens=24",
+]
 
 
 def cfg(overrides: list[str]):
@@ -105,9 +111,18 @@ def test_instructions_are_scored_by_fidelity(tmp_path):
 
 @pytest.mark.parametrize("question_aware", [True, False])
 def test_question_aware_false_compresses_only_the_context(tmp_path, monkeypatch, question_aware):
-    overrides = ["model=tiny-llama", "task=xsum", f"task.data_dir={SHARED_DATA / 'xsum'}", "task.n=1",
-                 "task.max_prompt_tokens=300", "task.max_new_tokens=4", "task.fidelity=false",
-                 f"task.question_aware={str(question_aware).lower()}", "policy=window", "budget=0.5"]
+    overrides = [
+        "model=tiny-llama",
+        "task=xsum",
+        f"task.data_dir={SHARED_DATA / 'xsum'}",
+        "task.n=1",
+        "task.max_prompt_tokens=300",
+        "task.max_new_tokens=4",
+        "task.fidelity=false",
+        f"task.question_aware={str(question_aware).lower()}",
+        "policy=window",
+        "budget=0.5",
+    ]
     seen = []
     real = runner.generate
 
