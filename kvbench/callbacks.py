@@ -11,25 +11,44 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from kvbench.results import SUMMARY, failed_cells
+from kvbench.results.schema import (
+    BUDGET,
+    BUDGET_ACHIEVED,
+    BUDGET_ACHIEVED_FULL,
+    DECODE_TOKENS_PER_S,
+    KV_RESIDENT_BYTES,
+    KV_RESIDENT_BYTES_FULL,
+    KV_RESIDENT_BYTES_SLIDING,
+    N_ERROR,
+    N_OK,
+    POLICY,
+    PRIMARY_METRIC,
+    SCORE,
+    STAGE,
+    TASK,
+    TTFT_S,
+    mean_column,
+)
+from kvbench.results.writer import SUMMARY_FILE, failed_cells
 
+# (summary column, heading) of the table; the cell's identity under its own name.
 COLUMNS = [
-    ("policy", "policy"),
-    ("budget", "budget"),
-    ("stage", "stage"),
-    ("task", "task"),
-    ("n_ok", "n"),
-    ("n_error", "errors"),
-    ("mean.score", "score"),
-    ("mean.budget_achieved", "achieved"),
-    ("mean.budget_achieved_full", "achieved_full"),
-    ("mean.kv_resident_bytes", "kv_bytes"),
-    ("mean.kv_resident_bytes_full", "kv_bytes_full"),
-    ("mean.ttft_s", "ttft_s"),
-    ("mean.decode_tokens_per_s", "decode_tok/s"),
+    (POLICY, POLICY),
+    (BUDGET, BUDGET),
+    (STAGE, STAGE),
+    (TASK, TASK),
+    (N_OK, "n"),
+    (N_ERROR, "errors"),
+    (mean_column(SCORE), SCORE),
+    (mean_column(BUDGET_ACHIEVED), "achieved"),
+    (mean_column(BUDGET_ACHIEVED_FULL), "achieved_full"),
+    (mean_column(KV_RESIDENT_BYTES), "kv_bytes"),
+    (mean_column(KV_RESIDENT_BYTES_FULL), "kv_bytes_full"),
+    (mean_column(TTFT_S), "ttft_s"),
+    (mean_column(DECODE_TOKENS_PER_S), "decode_tok/s"),
 ]
 # Shown only for hybrid models (sliding and full-attention layers), where they differ from the overall ones.
-HYBRID_ONLY = ("mean.budget_achieved_full", "mean.kv_resident_bytes_full")
+HYBRID_ONLY = (mean_column(BUDGET_ACHIEVED_FULL), mean_column(KV_RESIDENT_BYTES_FULL))
 # Clock slack between this process and the ones that ran the cells (submitit, shared filesystems).
 CLOCK_SLACK_S = 5.0
 
@@ -39,7 +58,7 @@ def summary_table(sweep_dir: Path) -> str:
     import pandas as pd
 
     records = []
-    for path in sorted(Path(sweep_dir).rglob(SUMMARY)):
+    for path in sorted(Path(sweep_dir).rglob(SUMMARY_FILE)):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
@@ -47,14 +66,14 @@ def summary_table(sweep_dir: Path) -> str:
     if not records:
         return f"no finished cells under {sweep_dir}"
     frame = pd.DataFrame(records)
-    hybrid = "mean.kv_resident_bytes_sliding" in frame.columns
+    hybrid = mean_column(KV_RESIDENT_BYTES_SLIDING) in frame.columns
     keep = [(src, dst) for src, dst in COLUMNS if src in frame.columns and (hybrid or src not in HYBRID_ONLY)]
     frame = frame[[src for src, _ in keep]].rename(columns=dict(keep))
-    metrics = {r.get("primary_metric") for r in records if r.get("primary_metric")}
-    if "score" in frame and len(metrics) == 1:
-        frame = frame.rename(columns={"score": metrics.pop()})
+    metrics = {r.get(PRIMARY_METRIC) for r in records if r.get(PRIMARY_METRIC)}
+    if SCORE in frame and len(metrics) == 1:
+        frame = frame.rename(columns={SCORE: metrics.pop()})
     frame = frame.sort_values(
-        [c for c in ("task", "stage", "policy", "budget") if c in frame.columns], key=lambda s: s.astype(str)
+        [c for c in (TASK, STAGE, POLICY, BUDGET) if c in frame.columns], key=lambda s: s.astype(str)
     )
     return frame.to_string(index=False, float_format=lambda v: f"{v:.4g}")
 

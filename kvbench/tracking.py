@@ -15,19 +15,31 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from kvbench.results.schema import (
+    BUDGET_ACHIEVED,
+    DECODE_TOKENS_PER_S,
+    ERROR,
+    EXAMPLE_ID,
+    KV_RESIDENT_BYTES,
+    PREDICTION,
+    SCORE,
+    STATUS,
+    TTFT_S,
+)
+
 log = logging.getLogger("kvbench")
 
 MODES = ("online", "offline", "disabled")
 TABLE_COLUMNS = (
-    "example_id",
-    "status",
-    "score",
-    "budget_achieved",
-    "kv_resident_bytes",
-    "ttft_s",
-    "decode_tokens_per_s",
-    "prediction",
-    "error",
+    EXAMPLE_ID,
+    STATUS,
+    SCORE,
+    BUDGET_ACHIEVED,
+    KV_RESIDENT_BYTES,
+    TTFT_S,
+    DECODE_TOKENS_PER_S,
+    PREDICTION,
+    ERROR,
 )
 INIT_TIMEOUT_S = 60
 

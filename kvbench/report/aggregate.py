@@ -15,8 +15,23 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from kvbench.report.load import CELL
 from kvbench.report.style import BASELINE, sort_policies, sort_stages
+from kvbench.results.schema import (
+    BUDGET,
+    BUDGET_ACHIEVED,
+    CELL,
+    ERROR,
+    METRIC_PREFIX,
+    MODEL,
+    POLICY,
+    PRIMARY_METRIC,
+    SCORE,
+    STAGE,
+    STATUS,
+    STATUS_OK,
+    TASK,
+    metric_column,
+)
 
 N_BOOT = 1000
 LEVEL = 0.95
@@ -29,15 +44,15 @@ def quality_column(rows: pd.DataFrame, metric: str | None) -> tuple[str, dict[st
     Without ``metric`` it is ``score`` (each task's primary metric, which may differ by task);
     otherwise ``metric`` itself or ``metric.<metric>``.
     """
-    tasks = sorted(rows["task"].unique()) if "task" in rows else []
+    tasks = sorted(rows[TASK].unique()) if TASK in rows else []
     if metric is None:
-        named = rows.dropna(subset=["primary_metric"]) if "primary_metric" in rows else rows.iloc[:0]
-        names = named.groupby("task")["primary_metric"].agg(lambda s: s.mode().iat[0]) if len(named) else {}
-        return "score", {task: str(names.get(task, "score")) for task in tasks}
-    for column in (metric, f"metric.{metric}"):
+        named = rows.dropna(subset=[PRIMARY_METRIC]) if PRIMARY_METRIC in rows else rows.iloc[:0]
+        names = named.groupby(TASK)[PRIMARY_METRIC].agg(lambda s: s.mode().iat[0]) if len(named) else {}
+        return SCORE, {task: str(names.get(task, SCORE)) for task in tasks}
+    for column in (metric, metric_column(metric)):
         if column in rows and pd.to_numeric(rows[column], errors="coerce").notna().any():
-            return column, {task: column.removeprefix("metric.") for task in tasks}
-    known = sorted(c.removeprefix("metric.") for c in rows.columns if c.startswith("metric."))
+            return column, {task: column.removeprefix(METRIC_PREFIX) for task in tasks}
+    known = sorted(c.removeprefix(METRIC_PREFIX) for c in rows.columns if c.startswith(METRIC_PREFIX))
     raise ValueError(f"no values for metric {metric!r}; rows have: {', '.join(known) or 'none'}")
 
 
@@ -73,7 +88,7 @@ def bootstrap(
 
 def _achieved_percent(group: pd.DataFrame) -> float:
     """Mean achieved budget in %, or the requested fraction when the rows do not record it."""
-    achieved = pd.to_numeric(group.get("budget_achieved", pd.Series(dtype=float)), errors="coerce")
+    achieved = pd.to_numeric(group.get(BUDGET_ACHIEVED, pd.Series(dtype=float)), errors="coerce")
     if achieved.notna().any():
         return float(achieved.mean() * 100)
     first = group.iloc[0]
@@ -87,7 +102,7 @@ def cell_stats(rows: pd.DataFrame, quantities: Sequence[str], n_boot: int = N_BO
     does not change when other cells are added to the sweep.
     """
     present = [q for q in quantities if q in rows]
-    ok = rows[rows["status"].eq("ok")] if "status" in rows else rows
+    ok = rows[rows[STATUS].eq(STATUS_OK)] if STATUS in rows else rows
     records = []
     for key, group in ok.groupby(CELL, sort=False):
         rng = np.random.default_rng([seed, zlib.crc32("\x1f".join(key).encode())])
@@ -108,12 +123,12 @@ def cell_stats(rows: pd.DataFrame, quantities: Sequence[str], n_boot: int = N_BO
 
 def with_full_baseline(stats: pd.DataFrame) -> pd.DataFrame:
     """Copy the full-cache cells into stages that lack them: without eviction the stage is moot."""
-    full = stats[stats["policy"].eq(BASELINE)]
-    stages = sort_stages(stats["stage"].unique())
+    full = stats[stats[POLICY].eq(BASELINE)]
+    stages = sort_stages(stats[STAGE].unique())
     copies = []
-    for _, cells in full.groupby(["model", "task"]):
-        have = sort_stages(cells["stage"].unique())
-        source = cells[cells["stage"].eq(have[0])]
+    for _, cells in full.groupby([MODEL, TASK]):
+        have = sort_stages(cells[STAGE].unique())
+        source = cells[cells[STAGE].eq(have[0])]
         copies += [source.assign(stage=stage) for stage in stages if stage not in have]
     return pd.concat([stats, *copies], ignore_index=True) if copies else stats
 
@@ -133,11 +148,11 @@ def pareto_mask(cost: Sequence[float], quality: Sequence[float], higher_is_bette
 
 def _sorted_cells(frame: pd.DataFrame) -> pd.DataFrame:
     """Cells in reading order: model, task, stage, policy (table order), budget."""
-    policy_rank = {p: i for i, p in enumerate(sort_policies(frame["policy"]))}
-    stage_rank = {s: i for i, s in enumerate(sort_stages(frame["stage"]))}
+    policy_rank = {p: i for i, p in enumerate(sort_policies(frame[POLICY]))}
+    stage_rank = {s: i for i, s in enumerate(sort_stages(frame[STAGE]))}
     return frame.sort_values(
-        ["model", "task", "stage", "policy", "budget_kind", "budget_value", "budget"],
-        key=lambda c: c.map(policy_rank) if c.name == "policy" else c.map(stage_rank) if c.name == "stage" else c,
+        [MODEL, TASK, STAGE, POLICY, "budget_kind", "budget_value", BUDGET],
+        key=lambda c: c.map(policy_rank) if c.name == POLICY else c.map(stage_rank) if c.name == STAGE else c,
     ).reset_index(drop=True)
 
 
@@ -149,20 +164,20 @@ def missing_cells(rows: pd.DataFrame) -> pd.DataFrame:
     columns = [*CELL, "budget_kind", "budget_value"]
     if rows.empty:
         return pd.DataFrame(columns=columns)
-    evicting = rows[~rows["policy"].eq(BASELINE)]
-    budgets = evicting[["budget", "budget_kind", "budget_value"]].drop_duplicates().itertuples(index=False)
+    evicting = rows[~rows[POLICY].eq(BASELINE)]
+    budgets = evicting[[BUDGET, "budget_kind", "budget_value"]].drop_duplicates().itertuples(index=False)
     budgets = list(budgets)
     present = set(rows[CELL].itertuples(index=False, name=None))
-    models, tasks, stages = (sorted(rows[c].unique()) for c in ("model", "task", "stage"))
+    models, tasks, stages = (sorted(rows[c].unique()) for c in (MODEL, TASK, STAGE))
     missing = [
         (model, task, stage, policy, budget, kind, value)
         for model, task, stage, policy, (budget, kind, value) in itertools.product(
-            models, tasks, stages, sorted(evicting["policy"].unique()), budgets
+            models, tasks, stages, sorted(evicting[POLICY].unique()), budgets
         )
         if (model, task, stage, policy, budget) not in present
     ]
-    if (rows["policy"] == BASELINE).any():
-        have_full = set(rows.loc[rows["policy"].eq(BASELINE), ["model", "task"]].itertuples(index=False, name=None))
+    if (rows[POLICY] == BASELINE).any():
+        have_full = set(rows.loc[rows[POLICY].eq(BASELINE), [MODEL, TASK]].itertuples(index=False, name=None))
         missing += [
             (model, task, "any", BASELINE, "any", 3, np.inf)
             for model, task in itertools.product(models, tasks)
@@ -174,13 +189,13 @@ def missing_cells(rows: pd.DataFrame) -> pd.DataFrame:
 def error_counts(rows: pd.DataFrame) -> pd.DataFrame:
     """Per cell with at least one failed example: ok and error counts and the first message."""
     columns = [*CELL, "ok", "errors", "first_error"]
-    if rows.empty or not rows["status"].ne("ok").any():
+    if rows.empty or not rows[STATUS].ne(STATUS_OK).any():
         return pd.DataFrame(columns=columns)
-    message = rows.get("error", pd.Series("", index=rows.index)).fillna("").astype(str)
+    message = rows.get(ERROR, pd.Series("", index=rows.index)).fillna("").astype(str)
     frame = rows.assign(
-        ok=rows["status"].eq("ok"),
-        errors=rows["status"].ne("ok"),
-        first_error=message.where(rows["status"].ne("ok")).str.replace(r"\s+", " ", regex=True).str.slice(0, 120),
+        ok=rows[STATUS].eq(STATUS_OK),
+        errors=rows[STATUS].ne(STATUS_OK),
+        first_error=message.where(rows[STATUS].ne(STATUS_OK)).str.replace(r"\s+", " ", regex=True).str.slice(0, 120),
     )
     counts = frame.groupby(CELL, sort=False).agg(
         budget_kind=("budget_kind", "first"),

@@ -24,24 +24,38 @@ from kvbench.report.aggregate import (
     with_full_baseline,
 )
 from kvbench.report.capacity import capacity_figures
-from kvbench.report.load import CELL, Loaded, load_rows
+from kvbench.report.load import Loaded, load_rows
 from kvbench.report.plots import budget_figure, pareto_figure, save_figure
 from kvbench.report.style import lower_is_better, sort_stages
 from kvbench.report.tables import markdown_table, quality_csv, quality_markdown
+from kvbench.results.schema import (
+    CELL,
+    DECODE_MS_MEAN,
+    DECODE_TOKENS_PER_S,
+    KIND,
+    KIND_CAPACITY,
+    KV_RESIDENT_BYTES,
+    PEAK_MEMORY_BYTES,
+    SCORE,
+    STAGE,
+    STATUS,
+    STATUS_OK,
+    TTFT_S,
+)
 
 MIB, GIB = 2.0**-20, 2.0**-30
 
 # (column, file stem, axis label, scale) of the systems figures against budget.
 SYSTEMS = (
-    ("kv_resident_bytes", "kv_resident_vs_budget", "resident KV (MiB)", MIB),
-    ("peak_memory_bytes", "peak_memory_vs_budget", "peak memory (GiB)", GIB),
-    ("decode_tokens_per_s", "decode_tokens_per_s_vs_budget", "decode tokens/s", 1.0),
-    ("ttft_s", "ttft_vs_budget", "time to first token (s)", 1.0),
+    (KV_RESIDENT_BYTES, "kv_resident_vs_budget", "resident KV (MiB)", MIB),
+    (PEAK_MEMORY_BYTES, "peak_memory_vs_budget", "peak memory (GiB)", GIB),
+    (DECODE_TOKENS_PER_S, "decode_tokens_per_s_vs_budget", "decode tokens/s", 1.0),
+    (TTFT_S, "ttft_vs_budget", "time to first token (s)", 1.0),
 )
 # (cost column, file stem, axis label, scale) of the quality-vs-cost Pareto figures.
 PARETO = (
-    ("kv_resident_bytes", "pareto_memory", "resident KV (MiB)", MIB),
-    ("decode_ms_mean", "pareto_latency", "decode latency (ms/token)", 1.0),
+    (KV_RESIDENT_BYTES, "pareto_memory", "resident KV (MiB)", MIB),
+    (DECODE_MS_MEAN, "pareto_latency", "decode latency (ms/token)", 1.0),
 )
 
 
@@ -53,7 +67,7 @@ def _quantity(stats: pd.DataFrame, column: str, scale: float = 1.0) -> pd.DataFr
 
 
 def _has_data(frame: pd.DataFrame, stage: str) -> bool:
-    return bool(frame.loc[frame["stage"].eq(stage), "y"].notna().any())
+    return bool(frame.loc[frame[STAGE].eq(stage), "y"].notna().any())
 
 
 def _safe(name: str) -> str:
@@ -99,7 +113,7 @@ def _write_figures(
     """Save every figure that has data; returns report.md image lines by section."""
     quality = _quantity(stats, column)
     single_metric = len(set(names.values())) == 1
-    quality_label = next(iter(names.values())) if single_metric else "score"
+    quality_label = next(iter(names.values())) if single_metric else SCORE
     titles = None if single_metric else {task: f"{task} ({name})" for task, name in names.items()}
     better = {task: not lower_is_better(name) for task, name in names.items()}
     sections: dict[str, list[str]] = {"Quality vs budget": [], "Memory and time vs budget": [], "Pareto fronts": []}
@@ -143,7 +157,7 @@ def build_report(
     if rows.empty:
         raise ValueError(f"no rows.jsonl rows under {', '.join(map(str, roots))}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    is_capacity = rows["kind"].eq("capacity") if "kind" in rows else pd.Series(False, index=rows.index)
+    is_capacity = rows[KIND].eq(KIND_CAPACITY)
     capacity = capacity_figures(rows[is_capacity], out_dir) if is_capacity.any() else []
     rows = rows[~is_capacity]
     if rows.empty:
@@ -157,14 +171,14 @@ def build_report(
     missing, errors = missing_cells(rows), error_counts(rows)
     _log_coverage(log, loaded, missing, errors)
 
-    sections = _write_figures(stats, column, names, sort_stages(rows["stage"]), out_dir)
+    sections = _write_figures(stats, column, names, sort_stages(rows[STAGE]), out_dir)
     quality = _quantity(stats, column)
     tables_md = quality_markdown(quality, names)
     quality_csv(quality, names).to_csv(out_dir / "quality_table.csv", index=False)
     (out_dir / "quality_table.md").write_text(tables_md + "\n", encoding="utf-8")
     stats.to_csv(out_dir / "cells.csv", index=False)
 
-    ok = int(rows["status"].eq("ok").sum())
+    ok = int(rows[STATUS].eq(STATUS_OK).sum())
     parts = [
         "# kvbench report",
         "",

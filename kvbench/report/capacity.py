@@ -13,22 +13,33 @@ from matplotlib.figure import Figure
 
 from kvbench.report.plots import save_figure
 from kvbench.report.style import BASELINE, SINGLE_COLUMN_IN, policy_style, sort_policies
+from kvbench.results.schema import (
+    CAPACITY_BATCH,
+    CAPACITY_MEMORY_GIB,
+    DECODE_TOKENS_PER_S,
+    FITS,
+    MAX_BATCH,
+    MODEL,
+    POLICY,
+    STAGE,
+    TASK,
+)
 
-KEY = ["model", "task", "stage", "policy", "budget_value"]
+KEY = [MODEL, TASK, STAGE, POLICY, "budget_value"]
 
 
 def capacity_cells(rows: pd.DataFrame) -> pd.DataFrame:
     """Per cell: the largest batch that fit and the batch's decode tokens/s at it."""
-    fit = rows[rows["fits"].astype(bool)]
-    best = fit.sort_values("capacity_batch").groupby(KEY, as_index=False).last()
-    best = best.rename(columns={"capacity_batch": "max_batch"})
-    return best[KEY + ["max_batch", "decode_tokens_per_s", "capacity_memory_gib"]]
+    fit = rows[rows[FITS].astype(bool)]
+    best = fit.sort_values(CAPACITY_BATCH).groupby(KEY, as_index=False).last()
+    best = best.rename(columns={CAPACITY_BATCH: MAX_BATCH})
+    return best[KEY + [MAX_BATCH, DECODE_TOKENS_PER_S, CAPACITY_MEMORY_GIB]]
 
 
 def _budget_axis(fig: Figure, cells: pd.DataFrame, column: str, label: str) -> None:
     ax = fig.subplots()
-    for policy in sort_policies(cells["policy"].unique()):
-        part = cells[cells["policy"].eq(policy)].sort_values("budget_value")
+    for policy in sort_policies(cells[POLICY].unique()):
+        part = cells[cells[POLICY].eq(policy)].sort_values("budget_value")
         style = policy_style(policy)
         if policy == BASELINE:
             ax.axhline(float(part[column].iloc[0]), color=style.color, linestyle="--", label=policy)
@@ -42,12 +53,12 @@ def _budget_axis(fig: Figure, cells: pd.DataFrame, column: str, label: str) -> N
 def capacity_figures(rows: pd.DataFrame, out_dir: Path) -> list[str]:
     """Three figures (PNG + PDF) and a table; returns report.md's lines for them."""
     cells = capacity_cells(rows)
-    lines, gib = [], sorted(cells["capacity_memory_gib"].unique())
-    for (model, task, stage), group in cells.groupby(["model", "task", "stage"]):
+    lines, gib = [], sorted(cells[CAPACITY_MEMORY_GIB].unique())
+    for (model, task, stage), group in cells.groupby([MODEL, TASK, STAGE]):
         tag = f"{model}_{task}_{stage}".replace("/", "-")
         for column, stem, label in (
-            ("decode_tokens_per_s", "capacity_tokens_per_s_vs_budget", "decode tokens/s at the largest batch"),
-            ("max_batch", "capacity_max_batch_vs_budget", "largest batch that fits"),
+            (DECODE_TOKENS_PER_S, "capacity_tokens_per_s_vs_budget", "decode tokens/s at the largest batch"),
+            (MAX_BATCH, "capacity_max_batch_vs_budget", "largest batch that fits"),
         ):
             fig = Figure(figsize=(SINGLE_COLUMN_IN, 2.4), layout="constrained")
             _budget_axis(fig, group, column, label)
@@ -56,15 +67,13 @@ def capacity_figures(rows: pd.DataFrame, out_dir: Path) -> list[str]:
             lines.append(f"![{label}]({stem}_{tag}.png)")
         fig = Figure(figsize=(SINGLE_COLUMN_IN, 2.4), layout="constrained")
         ax = fig.subplots()
-        probes = rows[
-            rows["model"].eq(model) & rows["task"].eq(task) & rows["stage"].eq(stage) & rows["fits"].astype(bool)
-        ]
-        for (policy, budget), part in probes.groupby(["policy", "budget_value"]):
-            part = part.sort_values("capacity_batch")
+        probes = rows[rows[MODEL].eq(model) & rows[TASK].eq(task) & rows[STAGE].eq(stage) & rows[FITS].astype(bool)]
+        for (policy, budget), part in probes.groupby([POLICY, "budget_value"]):
+            part = part.sort_values(CAPACITY_BATCH)
             style = policy_style(policy)
             ax.plot(
-                part["capacity_batch"],
-                part["decode_tokens_per_s"],
+                part[CAPACITY_BATCH],
+                part[DECODE_TOKENS_PER_S],
                 marker=style.marker,
                 color=style.color,
                 linestyle="--" if policy == BASELINE else "-",

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pandas as pd
 
-# What makes a cell (one point of a figure) and an example within it.
-CELL = ["model", "task", "stage", "policy", "budget"]
-EXAMPLE = [*CELL, "example_id"]
+from kvbench.results.schema import BATCH_SIZE, BUDGET, CELL, EXAMPLE_ID, POLICY, STATUS, STATUS_OK, upgrade
+from kvbench.results.writer import ROWS_FILE
+
+# An example within a cell (CELL: one point of a figure).
+EXAMPLE = [*CELL, EXAMPLE_ID]
 
 
 @dataclass
@@ -33,7 +35,7 @@ def find_row_files(roots: Iterable[Path]) -> list[Path]:
     """Every ``rows.jsonl`` below ``roots`` (or a root that is such a file), each once."""
     found: dict[Path, Path] = {}
     for root in roots:
-        candidates = [root] if root.is_file() else sorted(root.rglob("rows.jsonl"))
+        candidates = [root] if root.is_file() else sorted(root.rglob(ROWS_FILE))
         for path in candidates:
             found.setdefault(path.resolve(), path)
     return list(found.values())
@@ -52,7 +54,7 @@ def _parse(path: Path) -> tuple[list[dict], int]:
                 bad += 1
                 continue
             if isinstance(record, dict):
-                records.append(record)
+                records.append(upgrade(record))
             else:
                 bad += 1
     return records, bad
@@ -77,20 +79,20 @@ def _budget_order(value: object) -> tuple[int, float]:
 
 def _normalise(frame: pd.DataFrame) -> pd.DataFrame:
     """Identity columns as strings, the budget as a label plus a sort key, status filled in."""
-    for column in CELL + ["example_id"]:
+    for column in EXAMPLE:
         if column not in frame:
             frame[column] = "unknown"
-        if column != "budget":
+        if column != BUDGET:
             frame[column] = frame[column].fillna("unknown").astype(str)
-    raw_budget = frame["budget"]
+    raw_budget = frame[BUDGET]
     order = raw_budget.map(_budget_order)
     frame["budget_kind"] = order.map(lambda o: o[0])
     frame["budget_value"] = order.map(lambda o: o[1])
-    frame["budget"] = raw_budget.map(budget_label)
-    frame["status"] = frame.get("status", pd.Series("ok", index=frame.index)).fillna("ok").astype(str)
-    if "batch_size" in frame:  # a batch's timings are not one sequence's: never on one line with them
-        batch = pd.to_numeric(frame["batch_size"], errors="coerce").fillna(1).astype(int)
-        frame.loc[batch > 1, "policy"] = frame["policy"] + " (batch " + batch.astype(str) + ")"
+    frame[BUDGET] = raw_budget.map(budget_label)
+    frame[STATUS] = frame.get(STATUS, pd.Series(STATUS_OK, index=frame.index)).fillna(STATUS_OK).astype(str)
+    # A batch's timings are not one sequence's: never on one line with them.
+    batch = pd.to_numeric(frame[BATCH_SIZE], errors="coerce").fillna(1).astype(int)
+    frame.loc[batch > 1, POLICY] = frame[POLICY] + " (batch " + batch.astype(str) + ")"
     return frame
 
 
@@ -104,10 +106,10 @@ def load_rows(roots: Iterable[Path | str]) -> Loaded:
         records.extend(file_records)
         bad += file_bad
     if not records:
-        return Loaded(pd.DataFrame(columns=[*EXAMPLE, "status"]), files, bad)
+        return Loaded(pd.DataFrame(columns=[*EXAMPLE, STATUS]), files, bad)
     frame = _normalise(pd.DataFrame.from_records(records))
     before = len(frame)
-    frame["_ok"] = frame["status"].eq("ok")
+    frame["_ok"] = frame[STATUS].eq(STATUS_OK)
     frame = (
         frame.reset_index(names="_seen")
         .sort_values(["_ok", "_seen"], kind="stable")

@@ -18,8 +18,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from kvbench.report.aggregate import pareto_mask
-from kvbench.report.load import CELL
 from kvbench.report.style import BASELINE, PAPER_RC, SINGLE_COLUMN_IN, WIDE_IN, policy_style, sort_policies
+from kvbench.results.schema import CELL, MODEL, POLICY, STAGE, TASK
 
 X_LABEL = "KV budget achieved (%)"
 FRONTIER = "pareto_frontier"
@@ -73,9 +73,9 @@ def _baseline_y(cells: pd.DataFrame) -> float:
 
 
 def _draw_budget_panel(ax: Axes, panel: pd.DataFrame, handles: dict[str, Artist]) -> None:
-    for policy in sort_policies(panel["policy"]):
+    for policy in sort_policies(panel[POLICY]):
         style = policy_style(policy)
-        cells = panel[panel["policy"].eq(policy)].dropna(subset=["x", "y"]).sort_values("x")
+        cells = panel[panel[POLICY].eq(policy)].dropna(subset=["x", "y"]).sort_values("x")
         if cells.empty:
             continue
         if policy == BASELINE:
@@ -106,13 +106,13 @@ def budget_figure(stats: pd.DataFrame, stage: str, ylabel: str, titles: Mapping[
     ``stats`` is ``cell_stats`` restricted to one quantity; the grid spans every model and task in
     it so figures of different stages line up.
     """
-    models, tasks = sorted(stats["model"].unique()), sorted(stats["task"].unique())
+    models, tasks = sorted(stats[MODEL].unique()), sorted(stats[TASK].unique())
     with matplotlib.rc_context(PAPER_RC):
         fig, axes = _grid(models, tasks, titles)
         handles: dict[str, Artist] = {}
-        staged = stats[stats["stage"].eq(stage)]
+        staged = stats[stats[STAGE].eq(stage)]
         for (i, model), (j, task) in ((m, t) for m in enumerate(models) for t in enumerate(tasks)):
-            panel = staged[staged["model"].eq(model) & staged["task"].eq(task)]
+            panel = staged[staged[MODEL].eq(model) & staged[TASK].eq(task)]
             _draw_budget_panel(axes[i, j], panel, handles)
             axes[i, j].set_xlim(left=0)
         _finish(fig, axes, models, X_LABEL, ylabel, handles)
@@ -133,10 +133,10 @@ def pareto_figure(
     ``quality`` and ``cost`` are ``cell_stats`` frames of one quantity each; ``higher_is_better``
     gives the quality direction per task. Lower cost is always better.
     """
-    models, tasks = sorted(quality["model"].unique()), sorted(quality["task"].unique())
+    models, tasks = sorted(quality[MODEL].unique()), sorted(quality[TASK].unique())
     points = pd.merge(
-        quality.loc[quality["stage"].eq(stage), [*CELL, "y"]],
-        cost.loc[cost["stage"].eq(stage), [*CELL, "y"]].rename(columns={"y": "cost"}),
+        quality.loc[quality[STAGE].eq(stage), [*CELL, "y"]],
+        cost.loc[cost[STAGE].eq(stage), [*CELL, "y"]].rename(columns={"y": "cost"}),
         on=CELL,
     ).dropna(subset=["y", "cost"])
     with matplotlib.rc_context(PAPER_RC):
@@ -144,10 +144,10 @@ def pareto_figure(
         handles: dict[str, Artist] = {}
         for (i, model), (j, task) in ((m, t) for m in enumerate(models) for t in enumerate(tasks)):
             ax = axes[i, j]
-            panel = points[points["model"].eq(model) & points["task"].eq(task)]
-            for policy in sort_policies(panel["policy"]):
+            panel = points[points[MODEL].eq(model) & points[TASK].eq(task)]
+            for policy in sort_policies(panel[POLICY]):
                 style = policy_style(policy)
-                cells = panel[panel["policy"].eq(policy)].sort_values("cost")
+                cells = panel[panel[POLICY].eq(policy)].sort_values("cost")
                 (line,) = ax.plot(
                     cells["cost"],
                     cells["y"],

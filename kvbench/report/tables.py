@@ -12,8 +12,9 @@ from collections.abc import Mapping
 import pandas as pd
 
 from kvbench.report.style import BASELINE, lower_is_better, sort_policies, sort_stages
+from kvbench.results.schema import BUDGET, MODEL, POLICY, SCORE, STAGE, TASK
 
-BLOCK = ["model", "task", "stage"]
+BLOCK = [MODEL, TASK, STAGE]
 
 
 def format_value(value: float) -> str:
@@ -40,18 +41,18 @@ def markdown_table(frame: pd.DataFrame) -> str:
 
 
 def _budget_columns(stats: pd.DataFrame) -> list[str]:
-    budgets = stats[["budget", "budget_kind", "budget_value"]].drop_duplicates("budget")
-    return budgets.sort_values(["budget_kind", "budget_value", "budget"])["budget"].tolist()
+    budgets = stats[[BUDGET, "budget_kind", "budget_value"]].drop_duplicates(BUDGET)
+    return budgets.sort_values(["budget_kind", "budget_value", BUDGET])[BUDGET].tolist()
 
 
 def _block(stats: pd.DataFrame) -> pd.DataFrame:
     """Policies (rows, table order) x budgets (columns, ascending) of mean ``y`` for one block."""
-    wide = stats.pivot_table(index="policy", columns="budget", values="y", aggfunc="first", dropna=False)
-    return wide.reindex(index=sort_policies(stats["policy"]), columns=_budget_columns(stats))
+    wide = stats.pivot_table(index=POLICY, columns=BUDGET, values="y", aggfunc="first", dropna=False)
+    return wide.reindex(index=sort_policies(stats[POLICY]), columns=_budget_columns(stats))
 
 
 def _blocks(stats: pd.DataFrame) -> list[tuple[tuple[str, str, str], pd.DataFrame]]:
-    stage_rank = {s: i for i, s in enumerate(sort_stages(stats["stage"]))}
+    stage_rank = {s: i for i, s in enumerate(sort_stages(stats[STAGE]))}
     groups = dict(list(stats.groupby(BLOCK)))
     return [(key, groups[key]) for key in sorted(groups, key=lambda k: (k[0], k[1], stage_rank[k[2]]))]
 
@@ -61,13 +62,13 @@ def quality_csv(stats: pd.DataFrame, metric_names: Mapping[str, str]) -> pd.Data
     frames = []
     for (model, task, stage), cells in _blocks(stats):
         block = _block(cells).reset_index()
-        block.insert(0, "metric", metric_names.get(task, "score"))
+        block.insert(0, "metric", metric_names.get(task, SCORE))
         for i, (name, value) in enumerate(zip(BLOCK, (model, task, stage))):
             block.insert(i, name, value)
         frames.append(block)
     if not frames:
-        return pd.DataFrame(columns=[*BLOCK, "metric", "policy"])
-    columns = [*BLOCK, "metric", "policy", *_budget_columns(stats)]
+        return pd.DataFrame(columns=[*BLOCK, "metric", POLICY])
+    columns = [*BLOCK, "metric", POLICY, *_budget_columns(stats)]
     return pd.concat(frames, ignore_index=True).reindex(columns=columns)
 
 
@@ -89,7 +90,7 @@ def quality_markdown(stats: pd.DataFrame, metric_names: Mapping[str, str]) -> st
     """One markdown table per model, task and stage, best value per budget in bold."""
     parts = []
     for (model, task, stage), cells in _blocks(stats):
-        metric = metric_names.get(task, "score")
+        metric = metric_names.get(task, SCORE)
         lower = lower_is_better(metric)
         arrow = "lower is better" if lower else "higher is better"
         text = _bold_best(_block(cells), lower).reset_index()

@@ -73,14 +73,3 @@ class Task(ABC):
     def postprocess(self, text: str, example: Example) -> str:
         """Clean a raw generation before scoring (first-line cuts and the like)."""
         return text
-
-    def evaluate(
-        self, lm: Any, spec: Any, example: Example, prompt: RenderedPrompt, references: Any
-    ) -> dict[str, Any] | None:
-        """A task's own evaluation path, for tasks that are not "generate, then score" (perplexity).
-
-        The runner calls it first; ``None`` (the default) means the usual generation path. Otherwise
-        return ``{"metrics": {name: value}, "generation": Generation | None, **other_row_fields}``;
-        ``references`` is the run's ``kvbench.fidelity.ReferenceStore`` for full-cache comparisons.
-        """
-        return None

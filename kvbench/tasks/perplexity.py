@@ -1,17 +1,14 @@
-"""Perplexity of a long text with the policy active, next to the full cache's.
+"""Perplexity of a long text with the policy active, next to the full cache's: the documents, how each is
+cut, and the metrics of the scored tokens' NLLs. The runner does the scoring (:mod:`kvbench.runner.perplexity`).
 
 Each document is tokenised as plain text (no chat template) and cut to ``prefix_tokens +
-score_tokens`` tokens. The first ``prefix_tokens`` are the prompt: prefilled (in chunks of
-``stride``) and, for ``stage=prefill`` or ``both``, compressed to the budget. The next
-``score_tokens`` are teacher-forced one token at a time through the decode loop, evicting as they
-arrive for ``stage=decode`` or ``both`` (a fractional budget is then a fraction of prefix + scored
-tokens, as for generation). The NLL of every scored token is read from the logits that predict it,
-so the first scored token is predicted by the prefill; the prefix itself is not scored.
+score_tokens`` tokens. The first ``prefix_tokens`` are the prompt; the next ``score_tokens`` are
+teacher-forced one at a time and scored (a fractional budget is then a fraction of prefix + scored
+tokens, as for generation); the prefix itself is not scored.
 
 ``perplexity`` = exp(mean NLL) over the scored tokens, ``perplexity_full`` the same with the full
-cache (computed once per example through the same engine path and stored with the references),
-``perplexity_delta`` their difference; ``fidelity_kl`` / ``fidelity_top1`` compare the two runs'
-next-token distributions along the text (top-1: the argmaxes agree).
+cache, ``perplexity_delta`` their difference; the runner adds ``fidelity_kl`` / ``fidelity_top1``
+comparing the two runs' next-token distributions along the text.
 
 Texts: the long documents of a dataset task's records (LongBench ``context``, XSum ``document``,
 CNN/DailyMail ``article``), read by the same loader (hub, or ``data_dir`` of JSONL files), or any
@@ -67,7 +64,8 @@ class PerplexityTask(Task):
             raise ValueError("task.dataset=jsonl needs task.path=<file.jsonl> with a 'text' field per line")
         if int(prefix_tokens) < 1 or int(score_tokens) < 1:
             raise ValueError("task.prefix_tokens and task.score_tokens must both be >= 1")
-        self.dataset, self.split, self.data_dir, self.path = dataset, split, data_dir, path
+        self.dataset, self.split, self.data_dir = dataset, split, data_dir
+        self.path = Path(path) if path else None
         self.subset = subset if dataset == "longbench" else None
         self.text_field = text_field or TEXT_FIELDS[dataset]
         self.n, self.seed = n, int(seed)
@@ -75,14 +73,14 @@ class PerplexityTask(Task):
 
     def validate(self) -> None:
         if self.dataset == "jsonl":
-            if not Path(self.path).is_file():
+            if self.path is None or not self.path.is_file():
                 raise FileNotFoundError(f"task.path={self.path} does not exist")
         else:
             check_records(self.dataset, self.split, self.data_dir, self.subset)
 
     def _records(self) -> list[dict[str, Any]]:
-        if self.dataset == "jsonl":
-            lines = Path(self.path).read_text(encoding="utf-8").splitlines()
+        if self.dataset == "jsonl" and self.path is not None:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
             return [json.loads(line) for line in lines if line.strip()]
         return load_records(self.dataset, self.split, self.data_dir, self.subset)
 
@@ -117,50 +115,18 @@ class PerplexityTask(Task):
         return GenerationSettings(max_new_tokens=self.score_tokens)
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
-        raise NotImplementedError("perplexity is scored in evaluate(), not from generated text")
+        raise NotImplementedError("perplexity is scored from token NLLs (score_nll), not from generated text")
 
-    def evaluate(self, lm: Any, spec: Any, example: Example, prompt: RenderedPrompt, references: Any) -> dict[str, Any]:
-        from kvbench.engine.generate import DecodeSettings, generate
-        from kvbench.fidelity import forced_reference, prompt_hash, reference_key
-        from kvbench.metrics.fidelity import kl_divergence, token_nll, top1_agreement, topk_mass
-
-        if not isinstance(prompt, ScoredText) or not prompt.targets:
-            raise ValueError(f"example {example.id}: nothing to score (the text is too short)")
-        targets = prompt.targets
-        settings = DecodeSettings(max_new_tokens=len(targets), seed=spec.seed)
-        key = reference_key(
-            "teacher_forced", lm, spec, example.id, prompt_hash(prompt.input_ids, [], targets), settings
-        )
-        ref = references.get_or_create(
-            key, lambda: forced_reference(lm, prompt.input_ids, targets, settings, spec.stride)
-        )
-        g = generate(
-            lm.model,
-            lm.tokenizer,
-            prompt.input_ids,
-            spec.policy,
-            spec.budget,
-            spec.stage,
-            settings,
-            stride=spec.stride,
-            forced_tokens=targets,
-            return_logits=True,
-        )
-        nll = float(token_nll(g.logits, targets).mean())
-        nll_full = float(sum(ref.nll) / len(ref.nll))
-        perplexity, perplexity_full = math.exp(nll), math.exp(nll_full)
+    def score_nll(self, nll: list[float], nll_full: list[float]) -> dict[str, float]:
+        """The metrics of one text from its scored tokens' NLLs (nats) under the run's policy and the full cache:
+        ``perplexity`` = exp(mean NLL), ``perplexity_full`` the full cache's, ``perplexity_delta`` the
+        difference."""
+        mean, mean_full = sum(nll) / len(nll), sum(nll_full) / len(nll_full)
+        perplexity, perplexity_full = math.exp(mean), math.exp(mean_full)
         return {
-            "metrics": {
-                "perplexity": perplexity,
-                "nll": nll,
-                "perplexity_full": perplexity_full,
-                "nll_full": nll_full,
-                "perplexity_delta": perplexity - perplexity_full,
-                "fidelity_top1": top1_agreement(g.logits, ref.argmax),
-                "fidelity_kl": kl_divergence(ref.summary, g.logits),
-                "fidelity_topk_mass": topk_mass(ref.summary),
-            },
-            "generation": g,
-            "scored_tokens": len(targets),
-            "fidelity_reference": references.path(key).name,
+            "perplexity": perplexity,
+            "nll": mean,
+            "perplexity_full": perplexity_full,
+            "nll_full": mean_full,
+            "perplexity_delta": perplexity - perplexity_full,
         }

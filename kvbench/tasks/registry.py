@@ -25,7 +25,7 @@ def build_task(cfg: dict[str, Any]) -> Task:
 
     options = dict(cfg)
     name = options.pop("name")
-    options.pop("fidelity", None)  # read by the runner (kvbench.run.wants_fidelity), not a task argument
+    options.pop("fidelity", None)  # read by the runner (kvbench.runner.fidelity), not a task argument
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
     return TASKS[name](**options)

@@ -13,14 +13,25 @@ import fcntl
 import json
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-ROWS = "rows.jsonl"
-SUMMARY = "summary.json"
-CONFIG = "config.yaml"
-ERROR = "error.txt"
+from kvbench.results.schema import (
+    EXAMPLE_ID,
+    PRIMARY_METRIC,
+    STATUS,
+    STATUS_OK,
+    CapacitySummary,
+    CellIdentity,
+    Row,
+    Summary,
+    upgrade,
+)
+
+ROWS_FILE = "rows.jsonl"
+SUMMARY_FILE = "summary.json"
+CONFIG_FILE = "config.yaml"
+ERROR_FILE = "error.txt"
 # Keys of the run config that say where results go or how they are reported, not what a row means.
 BOOKKEEPING_KEYS = ("results_dir", "sweep_name", "print_table", "tracking", "hydra")
 
@@ -35,7 +46,7 @@ class CellConflict(RuntimeError):
 
 def semantic_config(config: dict[str, Any], evicts: bool = True) -> dict[str, Any]:
     """The part of a cell's resolved config that decides its rows. The full cache ignores the budget,
-    so all its budgets share one cell (see ``kvbench.run.cell_path``)."""
+    so all its budgets share one cell (see ``kvbench.runner.paths.cell_path``)."""
     out = {k: v for k, v in config.items() if k not in BOOKKEEPING_KEYS}
     if not evicts:
         out.pop("budget", None)
@@ -55,13 +66,14 @@ def config_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Every complete row of a rows.jsonl; a torn or unparsable line is skipped."""
+    """Every complete row of a rows.jsonl in the current shape (``schema.upgrade``); a torn or unparsable line
+    is skipped."""
     if not path.exists():
         return []
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            rows.append(json.loads(line))
+            rows.append(upgrade(json.loads(line)))
         except json.JSONDecodeError:
             continue
     return rows
@@ -102,24 +114,24 @@ class CellResults:
 
     def __init__(self, cell_dir: str | os.PathLike):
         self.dir = Path(cell_dir)
-        self.rows_path = self.dir / ROWS
-        self.summary_path = self.dir / SUMMARY
-        self.config_path = self.dir / CONFIG
-        self._lock_file = None
+        self.rows_path = self.dir / ROWS_FILE
+        self.summary_path = self.dir / SUMMARY_FILE
+        self.config_path = self.dir / CONFIG_FILE
+        self._lock_file: TextIO | None = None
 
     def __enter__(self) -> CellResults:
         """Lock the cell (an advisory ``flock``, released by the kernel when the process dies, so a
         killed run never leaves a stale lock) and cut a torn last line."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_file = (self.dir / ".lock").open("w")
+        lock = (self.dir / ".lock").open("w")
         try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as err:
-            self._lock_file.close()
-            self._lock_file = None
+            lock.close()
             raise CellBusy(
                 f"{self.dir} is being written by another process; wait for it to finish or use another sweep_name"
             ) from err
+        self._lock_file = lock
         repair_tail(self.rows_path)
         return self
 
@@ -133,20 +145,27 @@ class CellResults:
         return read_rows(self.rows_path)
 
     def finished_ids(self) -> set[str]:
-        return {str(r["example_id"]) for r in self.rows() if "example_id" in r}
+        return {str(r[EXAMPLE_ID]) for r in self.rows() if EXAMPLE_ID in r}
 
     def is_complete(self) -> bool:
         return self.summary_path.exists()
 
-    def append(self, row: dict[str, Any]) -> None:
-        line = json.dumps(_clean(row), ensure_ascii=False, allow_nan=False)
+    def append(self, row: Row) -> None:
+        line = json.dumps(_clean(row.to_json()), ensure_ascii=False, allow_nan=False)
         with self.rows_path.open("a", encoding="utf-8") as f:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
 
-    def write_summary(self, summary: dict[str, Any]) -> None:
-        atomic_write(self.summary_path, json.dumps(_clean(summary), indent=2, ensure_ascii=False))
+    def write_summary(self, summary: Summary | CapacitySummary) -> dict[str, Any]:
+        """Write summary.json; returns what was written."""
+        data = _clean(summary.to_json())
+        atomic_write(self.summary_path, json.dumps(data, indent=2, ensure_ascii=False))
+        return data
+
+    def summary(self) -> dict[str, Any]:
+        """The summary.json of a complete cell."""
+        return json.loads(self.summary_path.read_text(encoding="utf-8"))
 
     def write_config(self, yaml_text: str) -> None:
         atomic_write(self.config_path, yaml_text)
@@ -169,34 +188,35 @@ class CellResults:
         self.write_config(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
     def clear_error(self) -> None:
-        (self.dir / ERROR).unlink(missing_ok=True)
+        (self.dir / ERROR_FILE).unlink(missing_ok=True)
 
 
-def summarize(rows: list[dict[str, Any]], expected: int) -> dict[str, Any]:
-    """Means of every numeric field over successful rows, with counts."""
-    ok = [r for r in rows if r.get("status") == "ok"]
-    summary: dict[str, Any] = {"n_expected": expected, "n_ok": len(ok), "n_error": len(rows) - len(ok)}
-    for key in sorted({k for r in ok for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}):
-        values = [r[key] for r in ok if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-        if values:
-            summary[f"mean.{key}"] = sum(values) / len(values)
-    for key in ("model", "task", "policy", "budget", "stage", "primary_metric"):
-        if rows and key in rows[0]:
-            summary[key] = rows[0][key]
-    return summary
+def summarize(cell: CellIdentity, rows: list[dict[str, Any]], expected: int) -> Summary:
+    """Means of every numeric column over successful rows, with counts."""
+    ok = [r for r in rows if r.get(STATUS) == STATUS_OK]
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    means = {}
+    for key in sorted({k for r in ok for k, v in r.items() if number(v)}):
+        values = [r[key] for r in ok if number(r.get(key))]
+        means[key] = sum(values) / len(values)
+    primary = next((r[PRIMARY_METRIC] for r in rows if r.get(PRIMARY_METRIC)), None)
+    return Summary(cell, primary, expected, len(ok), len(rows) - len(ok), means)
 
 
 def write_error(cell_dir: str | os.PathLike, message: str) -> None:
     """Why a cell could not run, for the sweep's end-of-run report and for the user."""
     path = Path(cell_dir)
     path.mkdir(parents=True, exist_ok=True)
-    atomic_write(path / ERROR, message if message.endswith("\n") else message + "\n")
+    atomic_write(path / ERROR_FILE, message if message.endswith("\n") else message + "\n")
 
 
 def failed_cells(root: str | os.PathLike, since: float | None = None) -> list[tuple[Path, str]]:
     """Cells under ``root`` holding an ``error.txt`` (written at or after ``since``), with its first line."""
     out = []
-    for path in sorted(Path(root).rglob(ERROR)):
+    for path in sorted(Path(root).rglob(ERROR_FILE)):
         try:
             if since is not None and path.stat().st_mtime < since:
                 continue
@@ -212,9 +232,3 @@ def _headline(lines: list[str]) -> str:
     if not lines:
         return "(empty error.txt)"
     return lines[-1] if lines[0].startswith("Traceback") else lines[0]
-
-
-def iter_cells(root: str | os.PathLike) -> Iterator[Path]:
-    """Every cell directory (one holding rows.jsonl) under ``root``."""
-    for path in sorted(Path(root).rglob(ROWS)):
-        yield path.parent

@@ -7,9 +7,10 @@ import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from kvbench.results.schema import Provenance
 
 PACKAGES = ("kvbench", "torch", "transformers", "hydra-core", "datasets")
 
@@ -52,11 +53,11 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def provenance(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    return {
-        "git_sha": git_sha(),
-        "versions": versions(),
-        "device": device_name(device),
-        "dtype": str(dtype).replace("torch.", ""),
-        "attn_kernel": "kvbench(sdpa)",
-    }
+def provenance(device: torch.device, dtype: torch.dtype) -> Provenance:
+    return Provenance(
+        git_sha=git_sha(),
+        versions=versions(),
+        device=device_name(device),
+        dtype=str(dtype).replace("torch.", ""),
+        attn_kernel="kvbench(sdpa)",
+    )

@@ -1,4 +1,4 @@
-"""Fidelity of a compressed run to the full cache: text overlap, next-token agreement, divergence.
+"""The measures of fidelity to the full cache: text overlap, next-token agreement, divergence.
 
 The full cache's next-token distributions are stored compactly, as each step's top-``K`` tokens
 with their log-probabilities plus the log-probability of "any other token" (:func:`summarize_logits`).

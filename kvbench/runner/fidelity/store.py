@@ -1,19 +1,10 @@
-"""Full-cache references: generated once per example and settings, kept on disk, shared by every
-policy and budget that is scored against them.
+"""Full-cache references on disk, computed once and shared by every policy and budget scored against them.
 
-A reference is what the full cache does with one rendered prompt: for a generation task its greedy
-(or seeded sampled) output, for a teacher-forced task (perplexity) its next-token distributions
-along a given text. Either way it stores the output tokens and, per step, the full cache's top-``K``
-next-token log-probabilities (see :mod:`kvbench.metrics.fidelity`), so a compressed run needs only
-one extra teacher-forced pass of its own to get top-1 agreement and KL.
-
-One JSON file per reference, ``<root>/<sha256 of the key>.json``. The key names everything that
-decides the full cache's output: the model (name, source, path, dtype and device as loaded, torch and
-transformers versions), the task and example, a hash of the prompt ids (context and suffix apart),
-the decoding settings (max_new_tokens, stop strings, sampling, and the seed when sampling), the
-prefill chunk (``stride``; chunking changes float rounding), the kind and ``K``. Policy, budget and
-stage are not in it. Writes are atomic (temp file + rename) and a per-key ``flock`` makes concurrent
-processes compute each reference once: the second one waits and then reads the first one's file.
+A reference stores the full cache's output tokens and, per step, its top-``K`` next-token log-probabilities
+(see :mod:`kvbench.runner.fidelity.metrics`). One JSON file per reference, ``<root>/<sha256 of the key>.json``
+(what the key holds: :mod:`kvbench.runner.fidelity.references`). Writes are atomic (temp file + rename) and a
+per-key ``flock`` makes concurrent processes compute each reference once: the second one waits and then reads
+the first one's file.
 """
 
 from __future__ import annotations
@@ -26,15 +17,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvbench.engine.generate import DecodeSettings, generate
-from kvbench.metrics.fidelity import LogitSummary, summarize_logits, token_nll
+from kvbench.runner.fidelity.metrics import LogitSummary
 
 log = logging.getLogger("kvbench")
 
@@ -97,36 +87,6 @@ def _pack(array: np.ndarray) -> str:
 
 def _unpack(text: str, dtype: Any) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
-
-
-# ---------------------------------------------------------------- keys
-
-
-def model_identity(model_cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """What decides a model's numbers: its config (less where it is cached) and how it was loaded."""
-    import transformers
-
-    cfg = {k: v for k, v in sorted(model_cfg.items()) if k != "cache_dir"}
-    return {
-        "config": cfg,
-        "device": device.type,
-        "dtype": str(dtype).replace("torch.", ""),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
-def prompt_hash(input_ids: list[int], suffix_ids: list[int], extra: list[int] | None = None) -> str:
-    payload = json.dumps([list(input_ids), list(suffix_ids), list(extra or [])], separators=(",", ":"))
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def decode_identity(settings: DecodeSettings) -> dict[str, Any]:
-    """The settings that change what is generated; the seed only matters when sampling."""
-    out = asdict(settings)
-    if not settings.do_sample:
-        out = {k: v for k, v in out.items() if k not in ("seed", "temperature", "top_p")}
-    return out
 
 
 def key_digest(key: dict[str, Any]) -> str:
@@ -212,84 +172,3 @@ def default_reference_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvbench"
     )
     return Path(base) / "references"
-
-
-# ---------------------------------------------------------------- computing references
-
-
-def full_policy():
-    from kvbench.policies.registry import build_policy
-
-    return build_policy({"name": "full"})
-
-
-def generated_reference(
-    lm: Any,
-    input_ids: list[int],
-    suffix_ids: list[int],
-    settings: DecodeSettings,
-    stride: int | None,
-    top_k: int = TOP_K,
-) -> Reference:
-    """The full cache's generation for a prompt, with its per-step top-K log-probabilities."""
-    g = generate(
-        lm.model,
-        lm.tokenizer,
-        input_ids,
-        full_policy(),
-        1.0,
-        "prefill",
-        settings,
-        suffix_ids=suffix_ids,
-        stride=stride,
-        return_logits=True,
-    )
-    return Reference(
-        tokens=list(g.tokens),
-        text=g.text,
-        stop_reason=g.stop_reason,
-        summary=summarize_logits(g.logits, top_k),
-        argmax=g.logits.argmax(-1).tolist(),
-    )
-
-
-def forced_reference(
-    lm: Any, input_ids: list[int], targets: list[int], settings: DecodeSettings, stride: int | None, top_k: int = TOP_K
-) -> Reference:
-    """The full cache teacher-forced along ``targets``: each target's NLL and the top-K per step."""
-    g = generate(
-        lm.model,
-        lm.tokenizer,
-        input_ids,
-        full_policy(),
-        1.0,
-        "prefill",
-        settings,
-        stride=stride,
-        forced_tokens=targets,
-        return_logits=True,
-    )
-    return Reference(
-        tokens=list(targets),
-        text="",
-        stop_reason="forced",
-        summary=summarize_logits(g.logits, top_k),
-        argmax=g.logits.argmax(-1).tolist(),
-        nll=token_nll(g.logits, targets).tolist(),
-    )
-
-
-def reference_key(
-    kind: str, lm: Any, spec: Any, example_id: str, prompt_digest: str, settings: DecodeSettings, top_k: int = TOP_K
-) -> dict[str, Any]:
-    return {
-        "format": FORMAT_VERSION,
-        "kind": kind,
-        "model": model_identity(spec.model, lm.device, lm.dtype),
-        "task": spec.task_id,
-        "example": str(example_id),
-        "prompt": prompt_digest,
-        "decode": decode_identity(settings),
-        "stride": spec.stride,
-        "top_k": top_k,
-    }

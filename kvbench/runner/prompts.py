@@ -1,0 +1,45 @@
+"""Every prompt of a cell rendered with the tokenizer alone, and refused before any weights load when the
+model cannot hold it or the budget cannot protect what the policy always keeps."""
+
+from __future__ import annotations
+
+from kvbench.config import ConfigError, RunSpec
+from kvbench.engine.generate import reference_length, resolve_budget
+from kvbench.families import policy_problem
+from kvbench.models import load_config, load_tokenizer
+from kvbench.tasks.base import Example, RenderedPrompt, Task
+
+
+def check_model_support(spec: RunSpec) -> None:
+    """Refuse from the model's config alone (no weights) what kvbench cannot run exactly on it."""
+    problem = policy_problem(load_config(**spec.model), spec.policy)
+    if problem:
+        raise ConfigError(f"model={spec.model['name']}: {problem}")
+
+
+def render_all(task: Task, examples: list[Example], spec: RunSpec) -> dict[str, RenderedPrompt]:
+    """Each example's prompt by id; a context the model cannot hold, or a budget below what the policy always
+    protects, is a ``ConfigError`` naming the fix."""
+    check_model_support(spec)
+    tokenizer, limit = load_tokenizer(**spec.model)
+    rendered = {}
+    for ex in examples:
+        prompt = task.render(ex, tokenizer)
+        new_tokens = spec.max_new_tokens or task.generation(ex).max_new_tokens
+        total = len(prompt.input_ids) + len(prompt.suffix_ids) + new_tokens
+        if limit and total > limit:
+            raise ConfigError(
+                f"example {ex.id}: {total} tokens (prompt + max_new_tokens) exceed the model's limit of {limit}; "
+                "lower the task's context length or set task.max_prompt_tokens to truncate"
+            )
+        if spec.policy.evicts:
+            reference = reference_length(spec.stage, len(prompt.input_ids), len(prompt.suffix_ids), new_tokens)
+            budget_tokens = resolve_budget(spec.budget, reference)
+            if budget_tokens < spec.policy.scope.min_budget():
+                raise ConfigError(
+                    f"example {ex.id}: budget={spec.budget} is {budget_tokens} tokens of its {reference}, below the "
+                    f"{spec.policy.scope.min_budget()} tokens policy {spec.policy.name!r} always protects; raise the "
+                    "budget or lower policy.scope.n_sink / window"
+                )
+        rendered[ex.id] = prompt
+    return rendered
