@@ -44,7 +44,7 @@ COLUMNS = [
     (mean_column(BUDGET_ACHIEVED_FULL), "achieved_full"),
     (mean_column(KV_RESIDENT_BYTES), "kv_bytes"),
     (mean_column(KV_RESIDENT_BYTES_FULL), "kv_bytes_full"),
-    (mean_column(TTFT_S), "ttft_s"),
+    (mean_column(TTFT_S), TTFT_S),
     (mean_column(DECODE_TOKENS_PER_S), "decode_tok/s"),
 ]
 # Shown only for hybrid models (sliding and full-attention layers), where they differ from the overall ones.

@@ -280,12 +280,13 @@ def test_the_runner_refuses_from_the_config_before_any_weights_load(tmp_path, mo
     """A local directory holding only config.json: a refusal that needed the weights would fail differently."""
     from hydra import compose, initialize_config_dir
 
-    import kvbench.run as runner
     from kvbench.config import ConfigError
+    from kvbench.runner import model_cache
+    from kvbench.runner.cell import run_cell
 
     config = REFUSED[family][0](**REFUSED[family][1]) if family in REFUSED else family_config(family)
     config.save_pretrained(tmp_path / "model")
-    monkeypatch.setattr(runner, "get_model", lambda *_: pytest.fail("the model loaded before the refusal"))
+    monkeypatch.setattr(model_cache, "get_model", lambda *_: pytest.fail("the model loaded before the refusal"))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(
             "config",
@@ -298,7 +299,7 @@ def test_the_runner_refuses_from_the_config_before_any_weights_load(tmp_path, mo
             ],
         )
     with pytest.raises(ConfigError, match=message):
-        runner.run_cell(cfg, tmp_path / "cell", "t")
+        run_cell(cfg, tmp_path / "cell", "t")
 
 
 def test_unimplemented_attention_arguments_are_refused_never_ignored():

@@ -6,10 +6,11 @@ import pytest
 from conftest import CONFIG_DIR
 from hydra import compose, initialize_config_dir
 
-import kvbench.run as runner
 from kvbench.capacity import Probe, largest_batch
+from kvbench.config import ConfigError
 from kvbench.report.build import build_report
-from kvbench.results import read_rows
+from kvbench.results.writer import read_rows
+from kvbench.runner.cell import run_cell
 
 
 def synthetic(threshold: int):
@@ -48,13 +49,13 @@ def test_a_capacity_cell_probes_real_batches_and_reports(tmp_path):
     ]
     for policy, budget in (("full", "1.0"), ("h2o", "0.25"), ("h2o", "0.5")):
         cell = tmp_path / "capacity" / policy / budget
-        summary = runner.run_cell(cfg(base + [f"policy={policy}", f"budget={budget}"]), cell, "capacity")
+        summary = run_cell(cfg(base + [f"policy={policy}", f"budget={budget}"]), cell, "capacity")
         assert summary["max_batch"] == 3
         rows = read_rows(cell / "rows.jsonl")
         assert [r["capacity_batch"] for r in rows] == [1, 2, 3] and all(r["fits"] for r in rows)
         assert all(r["decode_tokens_per_s"] > 0 and r["peak_memory_bytes"] >= 0 for r in rows)
         assert summary["decode_tokens_per_s_at_max_batch"] == rows[-1]["decode_tokens_per_s"]
-        again = runner.run_cell(cfg(base + [f"policy={policy}", f"budget={budget}"]), cell, "capacity")
+        again = run_cell(cfg(base + [f"policy={policy}", f"budget={budget}"]), cell, "capacity")
         assert again["max_batch"] == 3 and len(read_rows(cell / "rows.jsonl")) == 3  # complete: nothing rerun
     report = build_report([tmp_path / "capacity"], tmp_path / "report").read_text()
     for stem in ("capacity_tokens_per_s_vs_budget", "capacity_max_batch_vs_budget", "capacity_tokens_per_s_vs_batch"):
@@ -71,5 +72,5 @@ def test_a_capacity_cell_probes_real_batches_and_reports(tmp_path):
     ],
 )
 def test_bad_capacity_settings_are_refused(tmp_path, override, message):
-    with pytest.raises(runner.ConfigError, match=message):
-        runner.run_cell(cfg(["model=tiny-llama", override]), tmp_path / "c", "t")
+    with pytest.raises(ConfigError, match=message):
+        run_cell(cfg(["model=tiny-llama", override]), tmp_path / "c", "t")

@@ -13,9 +13,9 @@ import torch
 from conftest import CONFIG_DIR, SHARED_DATA
 from hydra import compose, initialize_config_dir
 
-import kvbench.run as runner
-from kvbench.fidelity import Reference, ReferenceStore, store_at
-from kvbench.metrics.fidelity import (
+from kvbench.results.writer import read_rows
+from kvbench.runner.cell import run_cell
+from kvbench.runner.fidelity.metrics import (
     fidelity_rouge_l,
     kl_divergence,
     kl_per_step,
@@ -23,7 +23,7 @@ from kvbench.metrics.fidelity import (
     top1_agreement,
     topk_mass,
 )
-from kvbench.results import read_rows
+from kvbench.runner.fidelity.store import Reference, ReferenceStore, store_at
 
 
 def xsum(n: int = 2, max_new_tokens: int = 8) -> list[str]:
@@ -53,7 +53,7 @@ def refs(tmp_path):
 
 
 def run(tmp_path, name: str, overrides: list[str]) -> list[dict]:
-    runner.run_cell(cfg(overrides + [f"results_dir={tmp_path / 'results'}"]), tmp_path / name, "t")
+    run_cell(cfg(overrides + [f"results_dir={tmp_path / 'results'}"]), tmp_path / name, "t")
     rows = read_rows(tmp_path / name / "rows.jsonl")
     assert rows and all(r["status"] == "ok" for r in rows), rows
     return rows

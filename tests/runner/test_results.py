@@ -10,11 +10,23 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields, replace
 
 import pytest
 
 from kvbench.callbacks import failure_report, summary_table
-from kvbench.results import (
+from kvbench.results.schema import (
+    KIND_EXAMPLE,
+    CellIdentity,
+    Failure,
+    Measures,
+    Outcome,
+    Provenance,
+    Row,
+    Summary,
+    Timings,
+)
+from kvbench.results.writer import (
     CellBusy,
     CellConflict,
     CellResults,
@@ -40,8 +52,22 @@ CONFIG = {
 }
 
 
-def row(i: int, status: str = "ok", **extra) -> dict:
-    return {"example_id": f"e{i}", "status": status, "score": float(i), **extra}
+CELL = CellIdentity("tiny-llama", "retrieval", "window", 0.5, "prefill", 1, "s/cell", "s")
+ORIGIN = Provenance("0" * 40, {"python": "3.11"}, "cpu", "float32", "kvbench(sdpa)")
+MEASURES = Measures(
+    **{f.name: 0 for f in fields(Measures) if f.name not in ("timings", "budget_achieved_per_layer")},
+    budget_achieved_per_layer=[0.5, 0.5],
+    timings=Timings(**{f.name: None for f in fields(Timings)}),
+)
+
+
+def row(i: int, status: str = "ok", score: float | None = None, **measured) -> Row:
+    """Example ``e<i>``: ok with score ``i`` (or ``score``), or failed."""
+    if status == "error":
+        return Row(CELL, f"e{i}", KIND_EXAMPLE, Failure("RuntimeError: x", "Traceback ..."), ORIGIN)
+    value = float(i) if score is None else score
+    outcome = Outcome("accuracy", value, {"accuracy": value}, replace(MEASURES, **measured), truncated=False)
+    return Row(CELL, f"e{i}", KIND_EXAMPLE, outcome, ORIGIN)
 
 
 def test_torn_last_line_is_cut_and_appends_resume_cleanly(tmp_path):
@@ -74,12 +100,12 @@ def test_repair_tail_keeps_a_clean_file_and_empties_a_single_torn_line(tmp_path)
 
 def test_rows_are_strict_json_and_flushed_per_row(tmp_path):
     with CellResults(tmp_path) as cell:
-        cell.append(row(0, score=math.nan, extra={"v": [math.inf, 1.0]}))
+        cell.append(row(0, score=math.nan, budget_achieved_per_layer=[math.inf, 1.0]))
         # Flushed and fsynced: another reader sees it before the cell closes.
         assert read_rows(tmp_path / "rows.jsonl")[0]["score"] is None
     line = (tmp_path / "rows.jsonl").read_text().strip()
     assert "NaN" not in line and "Infinity" not in line
-    assert json.loads(line)["extra"] == {"v": [None, 1.0]}
+    assert json.loads(line)["budget_achieved_per_layer"] == [None, 1.0]
 
 
 def test_an_unparsable_line_is_skipped_not_fatal(tmp_path):
@@ -165,10 +191,13 @@ def test_config_differences_lists_dotted_keys():
 
 
 def test_summary_counts_errors_and_averages_ok_rows():
-    rows = [row(0), row(1), row(2, status="error", error="RuntimeError: x")]
-    summary = summarize(rows, expected=4)
-    assert summary["n_expected"] == 4 and summary["n_ok"] == 2 and summary["n_error"] == 1
-    assert summary["mean.score"] == 0.5
+    rows = [r.to_json() for r in (row(0), row(1), row(2, status="error"))]
+    summary = summarize(CELL, rows, expected=4)
+    assert (summary.n_expected, summary.n_ok, summary.n_error) == (4, 2, 1)
+    assert summary.means["score"] == 0.5 and summary.means["metric.accuracy"] == 0.5
+    assert summary.primary_metric == "accuracy" and "budget_achieved_per_layer" not in summary.means
+    written = summary.to_json()
+    assert written["mean.score"] == 0.5 and written["policy"] == "window" and written["n_ok"] == 2
 
 
 def test_error_files_are_found_and_cleared(tmp_path):
@@ -189,18 +218,8 @@ def test_summary_table_reads_every_finished_cell(tmp_path):
     for policy, budget, score in [("window", 0.5, 0.25), ("random", 0.25, 0.75)]:
         cell = tmp_path / policy / str(budget)
         with CellResults(cell) as c:
-            c.write_summary(
-                {
-                    "policy": policy,
-                    "budget": budget,
-                    "stage": "prefill",
-                    "task": "retrieval",
-                    "n_ok": 2,
-                    "n_error": 0,
-                    "mean.score": score,
-                    "primary_metric": "accuracy",
-                }
-            )
+            identity = replace(CELL, policy=policy, budget=budget)
+            c.write_summary(Summary(identity, "accuracy", 2, 2, 0, {"score": score}))
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "summary.json").write_text("{")  # half-written by hand: skipped
     table = summary_table(tmp_path)

@@ -10,9 +10,11 @@ import pytest
 from conftest import CONFIG_DIR, REPO
 from hydra import compose, initialize_config_dir
 
-import kvbench.run as runner
 from kvbench.config import ConfigError
-from kvbench.results import read_rows
+from kvbench.results.writer import read_rows
+from kvbench.runner import example, model_cache
+from kvbench.runner.cell import run_cell
+from kvbench.runner.paths import cell_path
 
 TINY = ["model=tiny-llama", "task.n=3", "task.context_tokens=160", "task.max_new_tokens=4"]
 
@@ -24,7 +26,7 @@ def cfg(overrides: list[str]):
 
 def test_cell_writes_measured_rows_and_summary(tmp_path):
     cell = tmp_path / "cell"
-    summary = runner.run_cell(cfg(TINY + ["policy=streamingllm", "budget=0.5"]), cell, "t")
+    summary = run_cell(cfg(TINY + ["policy=streamingllm", "budget=0.5"]), cell, "t")
     rows = read_rows(cell / "rows.jsonl")
     assert [r["example_id"] for r in rows] == ["passkey-0", "passkey-1", "passkey-2"]
     for r in rows:
@@ -40,30 +42,32 @@ def test_cell_writes_measured_rows_and_summary(tmp_path):
 def test_rerun_skips_finished_examples(tmp_path, monkeypatch):
     cell = tmp_path / "cell"
     config = cfg(TINY + ["policy=window", "budget=0.5"])
-    runner.run_cell(config, cell, "t")
+    run_cell(config, cell, "t")
     rows_before = (cell / "rows.jsonl").read_text()
     # Simulate a crash after two examples: drop the summary and the last row.
     (cell / "summary.json").unlink()
     (cell / "rows.jsonl").write_text("".join(rows_before.splitlines(keepends=True)[:2]))
     calls = []
-    real = runner.run_example
-    monkeypatch.setattr(runner, "run_example", lambda *a, **k: calls.append(a[3].id) or real(*a, **k))
-    runner.run_cell(config, cell, "t")
+    real = example.run_example
+    monkeypatch.setattr(example, "run_example", lambda *a, **k: calls.append(a[3].id) or real(*a, **k))
+    run_cell(config, cell, "t")
     assert calls == ["passkey-2"]
     assert [r["example_id"] for r in read_rows(cell / "rows.jsonl")] == ["passkey-0", "passkey-1", "passkey-2"]
     # A complete cell is skipped without touching the model.
-    monkeypatch.setattr(runner, "get_model", lambda *_: pytest.fail("a finished cell loaded the model"))
-    runner.run_cell(config, cell, "t")
+    monkeypatch.setattr(model_cache, "get_model", lambda *_: pytest.fail("a finished cell loaded the model"))
+    run_cell(config, cell, "t")
 
 
 def test_failing_example_becomes_error_row(tmp_path, monkeypatch):
+    real = example.run_example
+
     def boom(lm, task, spec, ex, prompt, references=None):
         if ex.id == "passkey-1":
             raise RuntimeError("synthetic failure")
-        return {"status": "ok", "score": 1.0}
+        return real(lm, task, spec, ex, prompt, references)
 
-    monkeypatch.setattr(runner, "run_example", boom)
-    runner.run_cell(cfg(TINY + ["policy=window"]), tmp_path / "c", "t")
+    monkeypatch.setattr(example, "run_example", boom)
+    run_cell(cfg(TINY + ["policy=window"]), tmp_path / "c", "t")
     rows = read_rows(tmp_path / "c" / "rows.jsonl")
     assert [r["status"] for r in rows] == ["ok", "error", "ok"]
     assert "synthetic failure" in rows[1]["error"]
@@ -81,10 +85,10 @@ def test_failing_example_becomes_error_row(tmp_path, monkeypatch):
     ],
 )
 def test_bad_input_is_refused_before_the_model_loads(tmp_path, monkeypatch, overrides, message):
-    monkeypatch.setattr(runner, "get_model", lambda *_: pytest.fail("the model loaded before validation"))
+    monkeypatch.setattr(model_cache, "get_model", lambda *_: pytest.fail("the model loaded before validation"))
     base = ["model=tiny-llama"] if "task=jsonl" in overrides else TINY
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        runner.run_cell(cfg(base + overrides), tmp_path / "c", "t")
+        run_cell(cfg(base + overrides), tmp_path / "c", "t")
 
 
 @pytest.mark.parametrize(
@@ -125,7 +129,7 @@ def test_jsonl_prompts_match_model_generate_on_smollm2(tmp_path, smollm):
             "model.device=cpu",
         ]
     )
-    runner.run_cell(config, tmp_path / "cell", "t")
+    run_cell(config, tmp_path / "cell", "t")
     rows = read_rows(tmp_path / "cell" / "rows.jsonl")
     tok = smollm.tokenizer
     for prompt, row in zip(prompts, rows):
@@ -167,8 +171,8 @@ def test_a_batched_cell_scores_every_example_as_batch_one(tmp_path):
         "budget=0.5",
         "stage=both",
     ]
-    runner.run_cell(cfg(base), tmp_path / "one", "t")
-    runner.run_cell(cfg(base + ["batch_size=3"]), tmp_path / "three", "t")
+    run_cell(cfg(base), tmp_path / "one", "t")
+    run_cell(cfg(base + ["batch_size=3"]), tmp_path / "three", "t")
     alone = {r["example_id"]: r for r in read_rows(tmp_path / "one" / "rows.jsonl")}
     batched = read_rows(tmp_path / "three" / "rows.jsonl")
     assert sorted(r["example_id"] for r in batched) == sorted(alone)
@@ -179,11 +183,11 @@ def test_a_batched_cell_scores_every_example_as_batch_one(tmp_path):
         assert r["batch_size"] == 3 and a["batch_size"] == 1
         assert r["batch_decode_tokens_per_s"] >= r["decode_tokens_per_s"] * 0.999
     assert max(r["decode_batch_mean"] for r in batched) > 1.5
-    assert runner.cell_path("m", "t", None, "h2o", "both", 0.5, 3).endswith("budget=0.5/batch=3")
-    assert runner.cell_path("m", "t", None, "h2o", "both", 0.5, 1).endswith("budget=0.5")
+    assert cell_path("m", "t", None, "h2o", "both", 0.5, 3).endswith("budget=0.5/batch=3")
+    assert cell_path("m", "t", None, "h2o", "both", 0.5, 1).endswith("budget=0.5")
 
 
 def test_batch_size_must_be_a_positive_integer(tmp_path):
     for bad in ("0", "-2", "1.5", "true"):
         with pytest.raises(ConfigError, match="batch_size=.* must be a positive integer"):
-            runner.run_cell(cfg(TINY + [f"batch_size={bad}"]), tmp_path / "c", "t")
+            run_cell(cfg(TINY + [f"batch_size={bad}"]), tmp_path / "c", "t")

@@ -20,9 +20,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-import kvbench.run as runner
+import kvbench.run as entry
 from kvbench.config import validate
-from kvbench.results import read_rows
+from kvbench.results.writer import read_rows
+from kvbench.runner import example, model_cache
+from kvbench.runner.cell import run_cell
 
 # configs/hydra/launcher/*.yaml share their names with the plugins' schemas (see kvbench/run.py).
 pytestmark = pytest.mark.filterwarnings(r"ignore:(?s).*is validated against ConfigStore schema")
@@ -110,7 +112,7 @@ def sweep_in_process(tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(sys, "argv", argv)
         code = 0
         try:
-            runner.main()
+            entry.main()
         except SystemExit as done:
             code = done.code
         finally:
@@ -189,9 +191,9 @@ def test_sigkill_mid_cell_then_rerun_matches_an_uninterrupted_sweep(tmp_path, sw
 
 def test_one_process_loads_the_model_once_and_failing_examples_become_rows(tmp_path, monkeypatch, sweep_in_process):
     loads, calls = [], []
-    real_load, real_example = runner.load_model, runner.run_example
-    monkeypatch.setattr(runner, "_MODELS", {})
-    monkeypatch.setattr(runner, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    real_load, real_example = model_cache.load_model, example.run_example
+    monkeypatch.setattr(model_cache, "_MODELS", {})
+    monkeypatch.setattr(model_cache, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
 
     def flaky(lm, task, spec, ex, prompt, *args, **kwargs):
         calls.append((spec.policy.name, spec.budget, ex.id))
@@ -201,7 +203,7 @@ def test_one_process_loads_the_model_once_and_failing_examples_become_rows(tmp_p
             raise RuntimeError("synthetic failure")
         return real_example(lm, task, spec, ex, prompt, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "run_example", flaky)
+    monkeypatch.setattr(example, "run_example", flaky)
     code, out, _ = sweep_in_process(*TINY, "policy=full,window,random", "budget=0.25,0.5")
     assert code == 0
     assert len(loads) == 1, "the model must load once per process"
@@ -242,15 +244,15 @@ def test_one_process_loads_the_model_once_and_failing_examples_become_rows(tmp_p
 def test_a_cell_another_process_is_writing_is_left_to_it(tmp_path, monkeypatch):
     """In a sweep, the budgets of policy=full share one cell: a second process reaching it while the first
     writes it skips it; run alone, the same clash is an error."""
-    from kvbench.results import CellBusy, CellResults
+    from kvbench.results.writer import CellBusy, CellResults
 
-    monkeypatch.setattr(runner, "get_model", lambda *_: pytest.fail("a busy cell loaded the model"))
+    monkeypatch.setattr(model_cache, "get_model", lambda *_: pytest.fail("a busy cell loaded the model"))
     config = composed(*TINY, "policy=full")
     cell = tmp_path / "cell"
     with CellResults(cell):
-        assert runner.run_cell(config, cell, "t", skip_busy=True)["skipped"] == "busy"
+        assert run_cell(config, cell, "t", skip_busy=True)["skipped"] == "busy"
         with pytest.raises(CellBusy, match="being written by another process"):
-            runner.run_cell(config, cell, "t")
+            run_cell(config, cell, "t")
     assert not (cell / "rows.jsonl").exists() and not (cell / "error.txt").exists()
 
 

@@ -14,7 +14,8 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 
 import kvbench.models
-import kvbench.run as runner
+import kvbench.run as entry
+from kvbench.runner import model_cache
 
 TINY = ["model=tiny-llama", "task.n=2", "task.context_tokens=128", "task.max_new_tokens=4"]
 
@@ -26,9 +27,9 @@ def cli(tmp_path, monkeypatch, capsys):
     def no_weights(*args, **kwargs):
         pytest.fail(f"model weights were loaded before validation refused the config: {args} {kwargs}")
 
-    monkeypatch.setattr(runner, "load_model", no_weights)
+    monkeypatch.setattr(model_cache, "load_model", no_weights)
     monkeypatch.setattr(kvbench.models, "load_model", no_weights)
-    monkeypatch.setattr(runner, "get_model", no_weights)
+    monkeypatch.setattr(model_cache, "get_model", no_weights)
 
     def run(*args: str) -> tuple[int, str]:
         GlobalHydra.instance().clear()
@@ -37,7 +38,7 @@ def cli(tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(sys, "argv", ["kvbench-run", *args, f"results_dir={tmp_path}", "sweep_name=v", *quiet])
         try:
             with pytest.raises(SystemExit) as exit_info:
-                runner.main()
+                entry.main()
         finally:
             GlobalHydra.instance().clear()
         err = capsys.readouterr().err

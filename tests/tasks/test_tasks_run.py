@@ -9,9 +9,11 @@ import torch
 from conftest import CONFIG_DIR, SHARED_DATA
 from hydra import compose, initialize_config_dir
 
-import kvbench.run as runner
 from kvbench.config import validate
-from kvbench.results import read_rows
+from kvbench.results.writer import read_rows
+from kvbench.runner import example
+from kvbench.runner.cell import run_cell
+from kvbench.runner.model_cache import get_model
 from kvbench.tasks.instructions import BUILTIN_PROMPTS
 from kvbench.tasks.jsonl import read_prompts
 from kvbench.tasks.registry import build_task
@@ -39,7 +41,7 @@ def refs(tmp_path, monkeypatch):
 
 
 def run(tmp_path, name: str, overrides: list[str]) -> list[dict]:
-    runner.run_cell(cfg(overrides), tmp_path / name, "t")
+    run_cell(cfg(overrides), tmp_path / name, "t")
     rows = read_rows(tmp_path / name / "rows.jsonl")
     assert rows and all(r["status"] == "ok" for r in rows), rows
     return rows
@@ -53,7 +55,7 @@ def test_full_cache_perplexity_is_exp_mean_nll_of_a_plain_forward(tmp_path):
     rows = run(tmp_path, "full", PPL + ["policy=full"])
     spec = validate(config)
     task = build_task(spec.task_cfg)
-    lm = runner.get_model(spec.model)
+    lm = get_model(spec.model)
     for ex, row in zip(task.examples(), rows):
         assert ex.id == row["example_id"]
         prompt = task.render(ex, lm.tokenizer)
@@ -124,16 +126,16 @@ def test_question_aware_false_compresses_only_the_context(tmp_path, monkeypatch,
         "budget=0.5",
     ]
     seen = []
-    real = runner.generate
+    real = example.generate
 
     def spy(model, tokenizer, input_ids, *args, **kwargs):
         seen.append((list(input_ids), list(kwargs.get("suffix_ids") or [])))
         return real(model, tokenizer, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "generate", spy)
+    monkeypatch.setattr(example, "generate", spy)
     (row,) = run(tmp_path, "cell", overrides)
     context, suffix = seen[0]
-    tokenizer = runner.get_model(validate(cfg(overrides)).model).tokenizer
+    tokenizer = get_model(validate(cfg(overrides)).model).tokenizer
     assert row["prompt_tokens"] == len(context) + len(suffix)
     if question_aware:
         assert suffix == []  # the instruction is compressed with the article
