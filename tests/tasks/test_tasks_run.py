@@ -10,8 +10,9 @@ from conftest import CONFIG_DIR, SHARED_DATA
 from hydra import compose, initialize_config_dir
 
 from kvbench.config import validate
+from kvbench.results.schema import COLUMNS, METRIC_PREFIX
 from kvbench.results.writer import read_rows
-from kvbench.runner import example
+from kvbench.runner import passes
 from kvbench.runner.cell import run_cell
 from kvbench.runner.model_cache import get_model
 from kvbench.tasks.instructions import BUILTIN_PROMPTS
@@ -70,6 +71,7 @@ def test_full_cache_perplexity_is_exp_mean_nll_of_a_plain_forward(tmp_path):
         assert row["metric.perplexity_full"] == row["metric.perplexity"] and row["metric.perplexity_delta"] == 0.0
         assert (row["metric.fidelity_top1"], row["metric.fidelity_kl"]) == (1.0, 0.0)
         assert row["scored_tokens"] == 24 and row["prompt_tokens"] == 48 and row["new_tokens"] == 24
+        assert {k for k in row if not k.startswith(METRIC_PREFIX)} <= COLUMNS  # every column is declared
 
 
 @pytest.mark.parametrize("stage", ["prefill", "decode"])
@@ -126,13 +128,13 @@ def test_question_aware_false_compresses_only_the_context(tmp_path, monkeypatch,
         "budget=0.5",
     ]
     seen = []
-    real = example.generate
+    real = passes.generate
 
     def spy(model, tokenizer, input_ids, *args, **kwargs):
         seen.append((list(input_ids), list(kwargs.get("suffix_ids") or [])))
         return real(model, tokenizer, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(example, "generate", spy)
+    monkeypatch.setattr(passes, "generate", spy)
     (row,) = run(tmp_path, "cell", overrides)
     context, suffix = seen[0]
     tokenizer = get_model(validate(cfg(overrides)).model).tokenizer
