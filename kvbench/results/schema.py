@@ -39,8 +39,8 @@ class CellIdentity:
 class Timings:
     """Wall-clock measurements of one sequence (None where there was nothing to time)."""
 
-    prefill_s: float | None  # seconds from the first forward to the last prompt token's
-    ttft_s: float | None  # seconds to the first generated token
+    prefill_s: float | None  # seconds to prefill the prompt (context chunks, then the suffix)
+    ttft_s: float | None  # seconds from the prefill's start to the first token chosen
     prefill_tokens_per_s: float | None  # prompt tokens per second of prefill
     decode_ms_mean: float | None  # milliseconds per decode step, mean
     decode_ms_p50: float | None  # milliseconds per decode step, median
@@ -55,10 +55,12 @@ class Measures:
     """What the engine measured for one sequence: budget, cache, memory, time, lengths."""
 
     budget_tokens: int | None  # the budget in tokens (None: no eviction)
-    budget_achieved: float  # fraction: KV tokens held / tokens seen, mean over layers
+    # Fraction held, mean over layers: stage=prefill, context tokens kept after prefill / context tokens;
+    # otherwise KV tokens held at the end / tokens seen.
+    budget_achieved: float
     budget_achieved_per_layer: list[float]  # the same fraction per layer
     kept_tokens: float  # KV tokens held at the end, mean over layers
-    seen_tokens: int  # tokens fed to the model (prompt + suffix + generated)
+    seen_tokens: int  # tokens the cache was fed (the sequence's position at the end)
     kv_resident_bytes: int  # bytes of KV cache held at the end
     kv_resident_peak_bytes: int  # bytes of KV cache held at most
     # Hybrid models: full-attention (budgeted) and sliding-window layers apart; None where a model has none.
@@ -66,7 +68,7 @@ class Measures:
     budget_achieved_sliding: float | None  # fraction, sliding-window layers
     kv_resident_bytes_full: int | None  # bytes, full-attention layers
     kv_resident_bytes_sliding: int | None  # bytes, sliding-window layers
-    kv_capacity_bytes: int  # bytes the cache's buffers could hold
+    kv_capacity_bytes: int  # bytes of the cache's allocated buffers
     peak_memory_prefill_bytes: int  # bytes, peak during prefill (see peak_memory_kind)
     peak_memory_bytes: int  # bytes, peak over the run (see peak_memory_kind)
     peak_memory_kind: str  # what the peaks measure: CUDA allocations or the process's resident set
