@@ -82,6 +82,7 @@ class Measures:
 class Outcome:
     """An example that ran: its scores and measurements."""
 
+    status: str = field(default=STATUS_OK, kw_only=True)  # ok
     primary_metric: str  # the name of the task's headline metric
     score: float | None  # the value of the primary metric
     metrics: dict[str, float]  # written as metric.<name> columns
@@ -92,22 +93,22 @@ class Outcome:
     fidelity_reference: str | None = None  # file name of the full cache's reference (under .references)
     fidelity_reference_tokens: int | None = None  # tokens of that reference
     scored_tokens: int | None = None  # perplexity: tokens teacher-forced and scored
-    status: str = STATUS_OK
 
 
 @dataclass(frozen=True)
 class Failure:
     """An example that failed; the rest of its cell goes on."""
 
+    status: str = field(default=STATUS_ERROR, kw_only=True)  # error
     error: str  # exception type and message
     traceback: str  # the last frames
-    status: str = STATUS_ERROR
 
 
 @dataclass
 class CapacityProbe:
     """One batch size a capacity cell tried (``experiment=capacity``); fields as kvbench.capacity.Probe."""
 
+    status: str = field(default=STATUS_OK, kw_only=True)  # ok: the probe ran (fits says whether it fit)
     batch: int  # sequences decoded together
     fits: bool  # the run stayed within the memory cap
     peak_memory_bytes: int  # bytes, peak (see memory_kind)
@@ -118,7 +119,6 @@ class CapacityProbe:
     error: str | None  # why the probe failed (out of memory)
     capacity_memory_gib: float  # the cap, GiB
     capacity_batch: int = field(init=False)  # = batch, the column the report reads
-    status: str = STATUS_OK
 
     def __post_init__(self) -> None:
         self.capacity_batch = self.batch
