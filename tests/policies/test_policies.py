@@ -18,29 +18,35 @@ from kvbench.engine import attention as attention_module
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.generate import DecodeSettings, generate
 from kvbench.engine.plan import LayerPlan
+from kvbench.policies.derived import attention_variance, mean_attention
 from kvbench.policies.registry import build_policy
-from kvbench.policies.scopes import Robust, SinksAndWindow
-from kvbench.policies.scores import attention_mean_std
+from kvbench.policies.scopes.robust import Robust
+from kvbench.policies.scopes.sinks_window import SinksAndWindow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
 STAGES = ("prefill", "decode", "both")
-# The named configs' window sizes are for real prompts; tiny runs hold ~15 tokens, so scale them down.
-TINY_OVERRIDES = {
-    "snapkv": {"score": {"window": 6}},
-    "pyramidkv": {"score": {"window": 6}},
-    "adakv": {"score": {"window": 6}},
-    "scissorhands": {"score": {"history": 6}},
-    "roco": {"scope": {"n_recent": 4}},
-    "accumulated_robust": {"scope": {"n_recent": 4}},
-}
+# The named configs' token counts are sized for real prompts; tiny runs hold ~15 tokens, so every part's option
+# that counts tokens is capped, by the option's name (a new policy needs no entry here).
+TINY_COUNTS = {"window": 6, "history": 6, "n_recent": 4}
 PROMPT, NEW, STRIDE = 48, 12, 8
 
 
+def tiny_counts(cfg: dict) -> dict:
+    """``cfg`` with every integer option named in ``TINY_COUNTS`` capped there, at any depth."""
+    out = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict):
+            value = tiny_counts(value)
+        elif key in TINY_COUNTS and isinstance(value, int) and not isinstance(value, bool):
+            value = min(value, TINY_COUNTS[key])
+        out[key] = value
+    return out
+
+
 def policy_cfg(name: str, **extra) -> dict:
-    cfg = OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml")
-    cfg = OmegaConf.merge(cfg, TINY_OVERRIDES.get(name, {}), extra)
-    return OmegaConf.to_container(cfg, resolve=True)
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), extra)
+    return tiny_counts(OmegaConf.to_container(cfg, resolve=True))
 
 
 def named(name: str, **extra):
@@ -240,7 +246,7 @@ def test_mean_and_std_match_eager_attention(tiny, random_ids, monkeypatch):
             column = grouped[:, j:, j]  # queries i >= j saw key j
             mean_ref[:, j], std_ref[:, j] = column.mean(axis=1), column.std(axis=1)
         state = layer.state()
-        mean, std = attention_mean_std(state.stats)
+        mean, std = mean_attention(state), attention_variance(state).clamp_min(0.0).sqrt()
         assert state.positions[0].tolist() == list(range(n))
         np.testing.assert_allclose(mean.numpy(), mean_ref, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(std.numpy(), std_ref, rtol=1e-3, atol=1e-5)
