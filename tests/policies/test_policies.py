@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIG_DIR
+from conftest import CONFIG_DIR, tiny_policy_cfg
 from omegaconf import OmegaConf
 
 from kvbench.engine import attention as attention_module
@@ -26,27 +26,8 @@ from kvbench.policies.scopes.sinks_window import SinksAndWindow
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
 STAGES = ("prefill", "decode", "both")
-# The named configs' token counts are sized for real prompts; tiny runs hold ~15 tokens, so every part's option
-# that counts tokens is capped, by the option's name (a new policy needs no entry here).
-TINY_COUNTS = {"window": 6, "history": 6, "n_recent": 4}
 PROMPT, NEW, STRIDE = 48, 12, 8
-
-
-def tiny_counts(cfg: dict) -> dict:
-    """``cfg`` with every integer option named in ``TINY_COUNTS`` capped there, at any depth."""
-    out = {}
-    for key, value in cfg.items():
-        if isinstance(value, dict):
-            value = tiny_counts(value)
-        elif key in TINY_COUNTS and isinstance(value, int) and not isinstance(value, bool):
-            value = min(value, TINY_COUNTS[key])
-        out[key] = value
-    return out
-
-
-def policy_cfg(name: str, **extra) -> dict:
-    cfg = OmegaConf.merge(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), extra)
-    return tiny_counts(OmegaConf.to_container(cfg, resolve=True))
+policy_cfg = tiny_policy_cfg
 
 
 def named(name: str, **extra):
@@ -107,6 +88,14 @@ def test_every_named_policy_has_a_config():
         cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), resolve=True)
         assert cfg["name"] == name
         assert {"name", "score", "scope", "allocation", "merge", "quantize", "positions"} <= set(cfg)
+
+
+def test_tiny_configs_cap_token_counts_and_nothing_else():
+    snap, hits, roco, h2o = (tiny_policy_cfg(n) for n in ("snapkv", "scissorhands", "roco", "h2o"))
+    assert (snap["score"]["window"], snap["scope"]["window"], snap["score"]["kernel_size"]) == (6, 6, 5)
+    assert (hits["score"]["history"], hits["scope"]["window"], hits["score"]["threshold"]) == (6, 6, 1.0)
+    assert (roco["scope"]["n_recent"], roco["scope"]["n_sink"]) == (4, 4)
+    assert h2o["scope"]["window"] == 0.5 and tiny_policy_cfg("snapkv", score={"window": 3})["scope"]["window"] == 3
 
 
 def protected_positions(policy, budget: int, fed: int) -> set[int]:
