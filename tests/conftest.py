@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from kvbench.models import LoadedModel, load_model
 
@@ -17,6 +18,29 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+# The named policies' token counts are sized for real prompts; tests on tiny prompts (tens of tokens) cap every
+# part option that counts tokens, by the option's name, so that a new policy needs no entry here.
+TINY_COUNTS = {"window": 6, "history": 6, "n_recent": 4}
+
+
+def tiny_counts(cfg: dict) -> dict:
+    """``cfg`` with every integer option named in ``TINY_COUNTS`` capped there, at any depth."""
+    out = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict):
+            value = tiny_counts(value)
+        elif key in TINY_COUNTS and isinstance(value, int) and not isinstance(value, bool):
+            value = min(value, TINY_COUNTS[key])
+        out[key] = value
+    return out
+
+
+def tiny_policy_cfg(name: str, **extra) -> dict:
+    """A named policy's config with ``extra`` merged in, its token counts capped for tiny prompts."""
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), extra)
+    return tiny_counts(OmegaConf.to_container(cfg, resolve=True))
 
 
 @pytest.fixture(scope="session")

@@ -28,15 +28,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
 from kvbench.engine.visibility import Window, visibility
-from kvbench.policies.base import ATTENTION_STATS
+from kvbench.policies.statistics import ATTENTION_STATS, SUMMED_STATS
 
 ATTN_NAME = "kvbench"
 # Arguments of transformers' attention interface that carry nothing kvbench must compute (bookkeeping the
 # model also hands to every other attention function). Any other argument with a value is refused.
 PASSIVE_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
-# Statistics that sum over every query of a step: a prefill chunk that needs them takes its output from the
-# same blocked pass (one product of queries and keys instead of SDPA's and a second one).
-SUMMED_STATS = frozenset({"acc", "sumsq"})
 
 
 def decode_attention(
@@ -77,7 +74,7 @@ def _decode_statistics(
     """The statistics of one query's probabilities [rows, group, n]; ``counts`` [rows]: how many keys each row
     saw (None: all n)."""
     stats: dict[str, torch.Tensor] = {}
-    if not needs & {"acc", "sumsq", "last", "qlog"}:
+    if not needs & ATTENTION_STATS:
         return stats
     row = probs.mean(dim=1)  # GQA: the group's mean, [rows, n]
     if "acc" in needs:
@@ -165,7 +162,9 @@ def kvbench_attention(
     if query.shape[0] != 1:
         raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
     past = key.shape[2] - q
-    if softcap is not None or needs & SUMMED_STATS:  # one blocked pass: the output and the statistics
+    # Statistics summed over every query: the output comes from the same blocked pass (one product of queries and
+    # keys instead of SDPA's and a second one).
+    if softcap is not None or needs & SUMMED_STATS:
         stats = attention_statistics(
             query,
             key,

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.policies.base import Policy
-from kvbench.policies.scopes import Everything
-from kvbench.policies.scores import Recency
+from kvbench.policies.scopes.everything import Everything
+from kvbench.policies.scores.recency import Recency
 
 
 @dataclass

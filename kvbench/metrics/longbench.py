@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from types import ModuleType
 
+from kvbench.metrics.registry import metric_function, register_metric
+
 Metric = Callable[..., float]
 
 # Punctuation LongBench strips from Chinese answers, on top of ASCII punctuation.
@@ -76,10 +78,12 @@ def token_f1(prediction: Sequence[str], reference: Sequence[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+@metric_function(higher_is_better=True, label="QA F1")
 def qa_f1_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None) -> float:
     return token_f1(normalize_en(prediction).split(), normalize_en(ground_truth).split())
 
 
+@metric_function(higher_is_better=True, label="QA F1 (zh)")
 def qa_f1_zh_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None) -> float:
     def tokens(text: str) -> list[str]:
         return [t for t in (normalize_zh(w) for w in _cut(text)) if t]
@@ -133,6 +137,7 @@ def rouge_l_f(prediction: str, reference: str) -> float:
     return 2.0 * (precision * recall) / (precision + recall + 1e-8)
 
 
+@metric_function(higher_is_better=True, label="ROUGE-L (LongBench)")
 def rouge_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None) -> float:
     """ROUGE-L F; 0 where the `rouge` package raises (an empty prediction, for example)."""
     try:
@@ -141,6 +146,7 @@ def rouge_score(prediction: str, ground_truth: str, all_classes: Sequence[str] |
         return 0.0
 
 
+@metric_function(higher_is_better=True, label="ROUGE-L (LongBench, zh)")
 def rouge_zh_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None) -> float:
     """ROUGE-L F over jieba words (joined by spaces so that the word split above sees them)."""
     return rouge_score(" ".join(_cut(prediction)), " ".join(_cut(ground_truth)))
@@ -149,6 +155,7 @@ def rouge_zh_score(prediction: str, ground_truth: str, all_classes: Sequence[str
 # ---------------------------------------------------------------- classification, counting, retrieval
 
 
+@metric_function(higher_is_better=True, label="classification accuracy")
 def classification_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None) -> float:
     """1/k when the ground truth is among the k class names found in the prediction, else 0.
 
@@ -172,16 +179,19 @@ def _fraction_equal(prediction: str, target: str) -> float:
     return sum(number == target for number in numbers) / len(numbers) if numbers else 0.0
 
 
+@metric_function(higher_is_better=True, label="count accuracy")
 def count_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None) -> float:
     """Share of the numbers in the prediction that equal the count."""
     return _fraction_equal(prediction, str(ground_truth))
 
 
+@metric_function(higher_is_better=True, label="retrieval accuracy")
 def retrieval_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None) -> float:
     """Share of the numbers in the prediction that equal N of the ground truth's 'Paragraph N'."""
     return _fraction_equal(prediction, re.findall(r"Paragraph (\d+)", ground_truth)[0])
 
 
+@metric_function(higher_is_better=True, label="retrieval accuracy (zh)")
 def retrieval_zh_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None) -> float:
     """As :func:`retrieval_score`, for the Chinese '段落N'."""
     return _fraction_equal(prediction, re.findall(r"段落(\d+)", ground_truth)[0])
@@ -199,6 +209,7 @@ def fuzz_ratio(a: str, b: str) -> int:
     return int(round(100 * difflib.SequenceMatcher(None, a, b).ratio()))
 
 
+@metric_function(higher_is_better=True, label="code similarity")
 def code_sim_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None) -> float:
     """Similarity of the first generated line that is not a comment or a code fence."""
     lines = prediction.lstrip("\n").split("\n")
@@ -222,6 +233,9 @@ METRICS: dict[str, Metric] = {
         code_sim_score,
     )
 }
+
+# A LongBench row's primary metric: its subset's own metric above (every one of them higher-is-better).
+register_metric("score", higher_is_better=True, label="score")
 
 
 def first_line(text: str) -> str:

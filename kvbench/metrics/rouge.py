@@ -6,12 +6,16 @@ texts are not re-split into sentences (that would need NLTK data, which cannot b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 
 from rouge_score import rouge_scorer
 
+from kvbench.metrics.registry import register_metric
+
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+for key, label in zip(ROUGE_KEYS, ("ROUGE-1", "ROUGE-2", "ROUGE-L", "ROUGE-Lsum")):
+    register_metric(key, higher_is_better=True, label=label)
 
 
 @lru_cache(maxsize=1)
@@ -26,17 +30,6 @@ def rouge_scores(prediction: str, references: str | Sequence[str]) -> dict[str, 
         raise ValueError("ROUGE needs at least one reference")
     scores = _scorer().score_multi(targets, prediction)
     return {key: scores[key].fmeasure for key in ROUGE_KEYS}
-
-
-def mean_scores(rows: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Per-key mean over examples (a key missing from some rows is averaged over the rows that have it)."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for row in rows:
-        for key, value in row.items():
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + 1
-    return {key: sums[key] / counts[key] for key in sums}
 
 
 def rouge_l(prediction: str, reference: str) -> float:

@@ -3,7 +3,7 @@
 Named policies are configs in ``configs/policy/`` (``build_policy`` in ``registry.py`` turns one into a
 ``Policy``)::
 
-    policy              score (scores.py)            scope (scopes.py)             allocation (allocation.py)
+    policy              score (scores/)              scope (scopes/)               allocation (allocations/)
     full                none: never evicts           -                             -
     window              recency                      all                           uniform
     streamingllm        recency                      sinks_window (4 sinks)        uniform
@@ -23,9 +23,9 @@ Named policies are configs in ``configs/policy/`` (``build_policy`` in ``registr
 Extras compose with any of them: ``merge: true`` (merge.py), ``quantize: int8|fp8`` (quantize.py),
 ``positions: reindex`` (positions.py).
 
-Adding a policy: a ``Score`` or ``Scope`` subclass in its table (``SCORES``/``SCOPES``; declare the
-statistics it ``needs``, its ``history`` if it reads the query log, its ``unsupported_stages``), or an
-``Allocation`` in ``ALLOCATIONS``, plus a YAML file naming the parts. Statistics come from
-``engine.attention`` (acc, sumsq, last, qlog) and the cache (count, mass), per KV head, a GQA group's
-query heads reduced by their mean.
+Adding a part is adding a module: a ``Score`` in ``scores/`` registered with ``@register_score("name")`` (it
+declares the statistics it ``needs``, its ``history`` if it reads the query log, its ``unsupported_stages``), a
+``Scope`` in ``scopes/`` (``@register_scope``) or an ``Allocation`` in ``allocations/``
+(``@register_allocation``), plus a config naming the parts (docs/extending.md). The statistics and where they
+come from are listed in ``statistics.py``; they are per KV head, a GQA group's query heads reduced by their mean.
 """

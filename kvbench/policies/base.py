@@ -17,9 +17,8 @@ from typing import Any
 import torch
 
 from kvbench.policies.state import TokenState
+from kvbench.policies.statistics import ATTENTION_STATS
 
-# Statistics that can only be had by computing attention probabilities (the others are free).
-ATTENTION_STATS = frozenset({"acc", "sumsq", "last", "qlog"})
 POSITION_MODES = ("absolute", "reindex")
 SLIDING_MODES = ("window", "evict")
 
@@ -27,7 +26,7 @@ SLIDING_MODES = ("window", "evict")
 class Score(ABC):
     """Importance of each held token, float [kv_heads, n]; higher is kept first."""
 
-    # Per-token statistics the score reads from ``TokenState.stats`` (see engine.cache.STAT_NAMES).
+    # Per-token statistics the score reads from ``TokenState.stats`` (see policies.statistics).
     needs: frozenset[str] = frozenset()
     # Rows of the per-layer query log (attention of the most recent queries) the score reads; 0 = none.
     history: int = 0
@@ -117,7 +116,6 @@ class Policy:
     score: Score
     scope: Scope
     evicts: bool = True
-    extra_needs: frozenset[str] = field(default_factory=frozenset)
     allocation: Allocation = field(default_factory=Allocation)
     # Fold evicted entries into their most similar kept entry (see policies.merge).
     merge: bool = False
@@ -145,7 +143,7 @@ class Policy:
         if not self.evicts:
             return frozenset()
         merging = frozenset({"acc", "mass"}) if self.merge else frozenset()
-        return self.score.needs | self.scope.needs | self.extra_needs | merging
+        return self.score.needs | self.scope.needs | merging
 
     @property
     def needs_attention(self) -> bool:
@@ -188,13 +186,10 @@ class Policy:
         per-head allocation: the layer keeps ``heads × budget`` entries in all)."""
         return self.allocation.keep(self.scored(state, budget), state.valid, budget, state.units)
 
-    def select(self, state: TokenState, budget: int) -> torch.Tensor:
-        """Indices to keep, [kv_heads, budget], ascending so kept tokens stay in sequence order
-        (heads sharing one length: uniform allocation within the layer)."""
-        return self.partition(state, budget)[0]
-
     def partition(self, state: TokenState, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``select``'s kept indices and the evicted ones, [kv_heads, n - budget] (in no particular order)."""
+        """Heads sharing one length (uniform allocation within the layer): the indices each keeps, [kv_heads,
+        budget], ascending so kept tokens stay in sequence order, and those it evicts, [kv_heads, n - budget] (in no
+        particular order)."""
         scores = self.scored(state, budget)
         heads, n = scores.shape
         order = torch.arange(n, device=scores.device)

@@ -41,10 +41,6 @@ class Quantizer:
         """Elementwise bound on |x - dequantize(quantize(x))|."""
         raise NotImplementedError
 
-    def bytes_per_entry(self, dim: int) -> int:
-        """Bytes one stored vector of ``dim`` numbers takes: the codes plus its float32 scale."""
-        return dim * torch.empty((), dtype=self.storage_dtype).element_size() + 4
-
 
 class Int8(Quantizer):
     name = "int8"

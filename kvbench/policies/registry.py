@@ -18,14 +18,17 @@ A score may carry ``shared: true`` (one kept set per layer: the score averaged o
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, TypeVar
 
-from kvbench.policies.allocation import ALLOCATIONS
 from kvbench.policies.base import Policy
+from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES, PartRegistry
 from kvbench.policies.quantize import build_quantizer
-from kvbench.policies.scopes import SCOPES, Everything
-from kvbench.policies.scores import SCORES, Recency, SharedAcrossHeads
+from kvbench.policies.scopes.everything import Everything
+from kvbench.policies.scores.recency import Recency
+from kvbench.policies.scores.shared import SharedAcrossHeads
+from kvbench.policies.statistics import STATISTICS
 
+P = TypeVar("P")
 POLICY_KEYS = ("name", "score", "scope", "allocation", "merge", "quantize", "positions", "sliding_layers")
 
 
@@ -33,12 +36,11 @@ def _options(spec: Any) -> dict[str, Any]:
     return dict(spec) if isinstance(spec, dict) or hasattr(spec, "items") else {"kind": spec}
 
 
-def _part(table: dict[str, type], spec: Any, what: str) -> Any:
+def _part(table: PartRegistry[P], spec: Any) -> P:
     options = _options(spec)
     kind = options.pop("kind", None)
-    if kind not in table:
-        raise ValueError(f"unknown {what} {kind!r}; choose one of {sorted(table)}")
-    cls = table[kind]
+    what = table.what
+    cls = table.get(kind)
     params = inspect.signature(cls.__init__).parameters
     unknown = sorted(set(options) - set(params) - {"self"})
     if unknown:
@@ -79,13 +81,21 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         )
     options = _options(score_spec)
     shared = _flag(options.pop("shared", False), "score.shared")
-    score = _part(SCORES, options, "score")
+    score = _part(SCORES, options)
     if shared:
         score = SharedAcrossHeads(score)
-    scope = _part(SCOPES, cfg.get("scope", "all"), "scope")
-    allocation = _part(ALLOCATIONS, cfg.get("allocation") or "uniform", "allocation")
+    scope = _part(SCOPES, cfg.get("scope", "all"))
+    allocation = _part(ALLOCATIONS, cfg.get("allocation") or "uniform")
     if allocation.per_head and shared:
         raise ValueError("score.shared=true keeps one set per layer; it cannot combine with allocation=adaptive")
+    for part, what in ((score, "score"), (scope, "scope")):
+        unknown = sorted(set(part.needs) - set(STATISTICS))
+        if unknown:
+            raise ValueError(
+                f"{what} {type(part).__name__} needs unknown statistic(s) {', '.join(unknown)}; the statistics are "
+                f"{sorted(STATISTICS)} (kvbench.policies.statistics); a per-entry quantity of keys or values is a "
+                "feature (Score.feature_names)"
+            )
     return Policy(
         name=name,
         score=score,

@@ -99,22 +99,23 @@ class TokenState:
             self._derived[name] = compute(self)
         return self._derived[name]
 
-    def _load(self) -> None:
+    def _loaded(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._load_kv is None:
             raise ValueError("this TokenState carries no keys/values")
-        self._keys, self._values = self._load_kv()
+        keys, values = self._load_kv()
         self._load_kv = None
+        return keys, values
 
     @property
     def keys(self) -> torch.Tensor:
         if self._keys is None:
-            self._load()
+            self._keys, self._values = self._loaded()
         return self._keys
 
     @property
     def values(self) -> torch.Tensor:
         if self._values is None:
-            self._load()
+            self._keys, self._values = self._loaded()
         return self._values
 
     @property

@@ -26,7 +26,7 @@ from kvbench.report.aggregate import (
 from kvbench.report.capacity import capacity_figures
 from kvbench.report.load import Loaded, load_rows
 from kvbench.report.plots import budget_figure, pareto_figure, save_figure
-from kvbench.report.style import lower_is_better, sort_stages
+from kvbench.report.style import lower_is_better, metric_label, sort_stages
 from kvbench.report.tables import markdown_table, quality_csv, quality_markdown
 from kvbench.results.schema import (
     CELL,
@@ -113,8 +113,8 @@ def _write_figures(
     """Save every figure that has data; returns report.md image lines by section."""
     quality = _quantity(stats, column)
     single_metric = len(set(names.values())) == 1
-    quality_label = next(iter(names.values())) if single_metric else SCORE
-    titles = None if single_metric else {task: f"{task} ({name})" for task, name in names.items()}
+    quality_label = metric_label(next(iter(names.values()))) if single_metric else SCORE
+    titles = None if single_metric else {task: f"{task} ({metric_label(name)})" for task, name in names.items()}
     better = {task: not lower_is_better(name) for task, name in names.items()}
     sections: dict[str, list[str]] = {"Quality vs budget": [], "Memory and time vs budget": [], "Pareto fronts": []}
 

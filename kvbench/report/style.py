@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvbench.metrics.registry import metric_info
+
 BASELINE = "full"
 EMPHASISED = "roco"
 
@@ -97,6 +99,17 @@ def sort_stages(names: Iterable[str]) -> list[str]:
 
 
 def lower_is_better(metric: str) -> bool:
-    """Divergences, perplexities and losses improve downwards; every other metric upwards."""
-    name = metric.lower()
-    return any(word in name for word in ("kl", "perplexity", "ppl", "nll", "loss"))
+    """As the metric declares (kvbench.metrics.registry); an undeclared name is taken as higher-is-better."""
+    return not metric_info(metric).higher_is_better
+
+
+def metric_label(metric: str) -> str:
+    """The metric's display name (its own name when undeclared)."""
+    return metric_info(metric).label
+
+
+def direction(metric: str) -> str:
+    """ "higher is better" or "lower is better", saying so when the direction is assumed (an undeclared name)."""
+    info = metric_info(metric)
+    text = "higher is better" if info.higher_is_better else "lower is better"
+    return text if info.declared else f"{text}: assumed, {metric!r} is not a declared metric"

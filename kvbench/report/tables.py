@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from kvbench.report.style import BASELINE, lower_is_better, sort_policies, sort_stages
+from kvbench.report.style import BASELINE, direction, lower_is_better, metric_label, sort_policies, sort_stages
 from kvbench.results.schema import BUDGET, MODEL, POLICY, SCORE, STAGE, TASK
 
 BLOCK = [MODEL, TASK, STAGE]
@@ -91,8 +91,7 @@ def quality_markdown(stats: pd.DataFrame, metric_names: Mapping[str, str]) -> st
     parts = []
     for (model, task, stage), cells in _blocks(stats):
         metric = metric_names.get(task, SCORE)
-        lower = lower_is_better(metric)
-        arrow = "lower is better" if lower else "higher is better"
-        text = _bold_best(_block(cells), lower).reset_index()
-        parts.append(f"**{model} · {task} · {stage}** — {metric} ({arrow})\n\n{markdown_table(text)}")
+        text = _bold_best(_block(cells), lower_is_better(metric)).reset_index()
+        heading = f"**{model} · {task} · {stage}** — {metric_label(metric)} ({direction(metric)})"
+        parts.append(f"{heading}\n\n{markdown_table(text)}")
     return "\n\n".join(parts)

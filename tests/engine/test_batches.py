@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONFIG_DIR
+from conftest import CONFIG_DIR, tiny_policy_cfg
 from family_models import FAMILIES, SLIDING, build
 from omegaconf import OmegaConf
 
@@ -25,22 +25,12 @@ from kvbench.policies.registry import build_policy
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-4  # of the batch-1 run's largest logit
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
-# Windows of the named configs are for real prompts; these prompts hold tens of tokens.
-SMALL = {
-    "snapkv": {"score": {"window": 6}},
-    "pyramidkv": {"score": {"window": 6}},
-    "adakv": {"score": {"window": 6}},
-    "scissorhands": {"score": {"history": 6}},
-    "roco": {"scope": {"n_recent": 4}},
-    "accumulated_robust": {"scope": {"n_recent": 4}},
-}
 LENGTHS, NEW = (40, 25, 33, 50, 29), (12, 5, 9, 12, 7)
 DEEP = ("qwen2-window", "gemma3", "gemma2-softcap", "mistral-window", "gpt2")  # every policy kind batched
 
 
 def named(name: str, **extra):
-    cfg = OmegaConf.merge(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), SMALL.get(name, {}), extra)
-    return build_policy(OmegaConf.to_container(cfg, resolve=True))
+    return build_policy(tiny_policy_cfg(name, **extra))
 
 
 def requests(lengths=LENGTHS, news=NEW, ids_seed: int = 0, high: int = 250, **settings) -> list[Request]:

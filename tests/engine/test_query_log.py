@@ -12,10 +12,10 @@ import torch
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.cache.query_log import QueryLog
 from kvbench.engine.plan import LayerPlan
-from kvbench.policies.allocation import Adaptive
+from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy
-from kvbench.policies.scopes import Everything
-from kvbench.policies.scores import ObservationWindow
+from kvbench.policies.scopes.everything import Everything
+from kvbench.policies.scores.snapkv import ObservationWindow
 
 HEADS, DIM, HISTORY, BUDGET = 2, 4, 5, 7
 

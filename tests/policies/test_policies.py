@@ -11,36 +11,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIG_DIR
+from conftest import CONFIG_DIR, tiny_policy_cfg
 from omegaconf import OmegaConf
 
 from kvbench.engine import attention as attention_module
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.generate import DecodeSettings, generate
 from kvbench.engine.plan import LayerPlan
+from kvbench.policies.derived import attention_variance, mean_attention
 from kvbench.policies.registry import build_policy
-from kvbench.policies.scopes import Robust, SinksAndWindow
-from kvbench.policies.scores import attention_mean_std
+from kvbench.policies.scopes.robust import Robust
+from kvbench.policies.scopes.sinks_window import SinksAndWindow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
 STAGES = ("prefill", "decode", "both")
-# The named configs' window sizes are for real prompts; tiny runs hold ~15 tokens, so scale them down.
-TINY_OVERRIDES = {
-    "snapkv": {"score": {"window": 6}},
-    "pyramidkv": {"score": {"window": 6}},
-    "adakv": {"score": {"window": 6}},
-    "scissorhands": {"score": {"history": 6}},
-    "roco": {"scope": {"n_recent": 4}},
-    "accumulated_robust": {"scope": {"n_recent": 4}},
-}
 PROMPT, NEW, STRIDE = 48, 12, 8
-
-
-def policy_cfg(name: str, **extra) -> dict:
-    cfg = OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml")
-    cfg = OmegaConf.merge(cfg, TINY_OVERRIDES.get(name, {}), extra)
-    return OmegaConf.to_container(cfg, resolve=True)
+policy_cfg = tiny_policy_cfg
 
 
 def named(name: str, **extra):
@@ -101,6 +88,14 @@ def test_every_named_policy_has_a_config():
         cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), resolve=True)
         assert cfg["name"] == name
         assert {"name", "score", "scope", "allocation", "merge", "quantize", "positions"} <= set(cfg)
+
+
+def test_tiny_configs_cap_token_counts_and_nothing_else():
+    snap, hits, roco, h2o = (tiny_policy_cfg(n) for n in ("snapkv", "scissorhands", "roco", "h2o"))
+    assert (snap["score"]["window"], snap["scope"]["window"], snap["score"]["kernel_size"]) == (6, 6, 5)
+    assert (hits["score"]["history"], hits["scope"]["window"], hits["score"]["threshold"]) == (6, 6, 1.0)
+    assert (roco["scope"]["n_recent"], roco["scope"]["n_sink"]) == (4, 4)
+    assert h2o["scope"]["window"] == 0.5 and tiny_policy_cfg("snapkv", score={"window": 3})["scope"]["window"] == 3
 
 
 def protected_positions(policy, budget: int, fed: int) -> set[int]:
@@ -240,7 +235,7 @@ def test_mean_and_std_match_eager_attention(tiny, random_ids, monkeypatch):
             column = grouped[:, j:, j]  # queries i >= j saw key j
             mean_ref[:, j], std_ref[:, j] = column.mean(axis=1), column.std(axis=1)
         state = layer.state()
-        mean, std = attention_mean_std(state.stats)
+        mean, std = mean_attention(state), attention_variance(state).clamp_min(0.0).sqrt()
         assert state.positions[0].tolist() == list(range(n))
         np.testing.assert_allclose(mean.numpy(), mean_ref, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(std.numpy(), std_ref, rtol=1e-3, atol=1e-5)

@@ -6,8 +6,10 @@ import torch
 
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import build_policy
-from kvbench.policies.scopes import Everything, SinksAndWindow
-from kvbench.policies.scores import RandomScore, Recency
+from kvbench.policies.scopes.everything import Everything
+from kvbench.policies.scopes.sinks_window import SinksAndWindow
+from kvbench.policies.scores.recency import Recency
+from kvbench.policies.scores.uniform_random import RandomScore
 from kvbench.policies.state import TokenState
 
 
@@ -20,7 +22,7 @@ def state(positions: list[list[int]], seed: int = 0) -> TokenState:
 def test_recency_keeps_newest_per_head():
     # Head 0 holds positions 0..5, head 1 holds a sparser set; budget 3 keeps the three largest positions.
     s = state([[0, 1, 2, 3, 4, 5], [0, 2, 7, 8, 11, 12]])
-    keep = Policy("window", Recency(), Everything()).select(s, 3)
+    keep = Policy("window", Recency(), Everything()).partition(s, 3)[0]
     assert keep.tolist() == [[3, 4, 5], [3, 4, 5]]
     assert s.positions.gather(1, keep).tolist() == [[3, 4, 5], [8, 11, 12]]
 
@@ -30,7 +32,7 @@ def test_sinks_and_window_protects_first_and_last():
     s = state([list(range(10))])
     scope = SinksAndWindow(n_sink=2, window=2)
     assert scope.protected(s, 6).nonzero()[:, 1].tolist() == [0, 1, 8, 9]
-    keep = Policy("p", Recency(), scope).select(s, 6)
+    keep = Policy("p", Recency(), scope).partition(s, 6)[0]
     assert keep.tolist() == [[0, 1, 6, 7, 8, 9]]
 
 
@@ -41,7 +43,7 @@ def test_protection_beats_score():
             return -super().__call__(st)
 
     s = state([list(range(8))])
-    keep = Policy("p", Oldest(), SinksAndWindow(n_sink=0, window=3)).select(s, 4)
+    keep = Policy("p", Oldest(), SinksAndWindow(n_sink=0, window=3)).partition(s, 4)[0]
     assert keep.tolist() == [[0, 5, 6, 7]]
 
 
@@ -58,20 +60,20 @@ def test_streamingllm_keeps_sinks_plus_recent():
     policy = build_policy(
         {"name": "streamingllm", "score": "recency", "scope": {"kind": "sinks_window", "n_sink": 4, "window": 0}}
     )
-    assert policy.select(s, 7).tolist() == [[0, 1, 2, 3, 17, 18, 19]] * 2
+    assert policy.partition(s, 7)[0].tolist() == [[0, 1, 2, 3, 17, 18, 19]] * 2
 
 
 def test_random_is_seeded_uniform_and_sorted():
     s1, s2, s3 = state([list(range(50))], seed=1), state([list(range(50))], seed=1), state([list(range(50))], seed=2)
     p = Policy("random", RandomScore(), Everything())
-    k1, k2, k3 = p.select(s1, 10), p.select(s2, 10), p.select(s3, 10)
+    k1, k2, k3 = p.partition(s1, 10)[0], p.partition(s2, 10)[0], p.partition(s3, 10)[0]
     assert torch.equal(k1, k2) and not torch.equal(k1, k3)
     assert torch.equal(k1, k1.sort().values) and len(set(k1[0].tolist())) == 10
     # Uniform: over many steps (draws afresh at each) every token is kept with probability budget / n = 0.2.
     counts = torch.zeros(50)
     for step in range(2000):
         st = TokenState(positions=torch.arange(50).unsqueeze(0), seed=3, seen=50 + step)
-        counts[p.select(st, 10)[0]] += 1
+        counts[p.partition(st, 10)[0][0]] += 1
     assert (counts / 2000 - 0.2).abs().max() < 0.04
 
 
@@ -90,22 +92,21 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kvbench.engine.attention import attention_statistics, decode_attention  # noqa: E402
-from kvbench.policies.allocation import Adaptive, Pyramid  # noqa: E402
+from kvbench.policies.allocations.adaptive import Adaptive  # noqa: E402
+from kvbench.policies.allocations.pyramid import Pyramid  # noqa: E402
 from kvbench.policies.base import Allocation, Score  # noqa: E402
+from kvbench.policies.derived import attention_variance  # noqa: E402
+from kvbench.policies.ends import last_n  # noqa: E402
 from kvbench.policies.merge import merge_evicted  # noqa: E402
-from kvbench.policies.scopes import Robust, last_n  # noqa: E402
-from kvbench.policies.scores import (  # noqa: E402
-    Accumulated,
-    Hits,
-    KeyNorm,
-    LastQuery,
-    MeanAttention,
-    ObservationWindow,
-    SharedAcrossHeads,
-    ValueAware,
-    attention_mean_std,
-    pool_neighbours,
-)
+from kvbench.policies.scopes.robust import Robust  # noqa: E402
+from kvbench.policies.scores.accumulated import Accumulated  # noqa: E402
+from kvbench.policies.scores.hits import Hits  # noqa: E402
+from kvbench.policies.scores.key_norm import KeyNorm  # noqa: E402
+from kvbench.policies.scores.last_query import LastQuery  # noqa: E402
+from kvbench.policies.scores.mean import MeanAttention  # noqa: E402
+from kvbench.policies.scores.shared import SharedAcrossHeads  # noqa: E402
+from kvbench.policies.scores.snapkv import ObservationWindow, pool_neighbours  # noqa: E402
+from kvbench.policies.scores.value_aware import ValueAware  # noqa: E402
 
 RNG = np.random.default_rng(7)
 H, N, W = 2, 10, 4
@@ -172,7 +173,7 @@ def test_score_matches_numpy_reference_and_keeps_its_top_k(name):
     got = score(rich_state(score=score)).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     budget = 4
-    keep = Policy(name, score, Everything()).select(rich_state(score=score), budget).numpy()
+    keep = Policy(name, score, Everything()).partition(rich_state(score=score), budget)[0].numpy()
     for h in range(H):
         ranked = np.argsort(-expected[h], kind="stable")
         if expected[h][ranked[budget - 1]] == expected[h][ranked[budget]]:
@@ -195,7 +196,7 @@ def test_hits_worked_by_hand():
         positions=torch.arange(5).view(1, 5), stats={"qlog": hits.log_rows(rows.view(1, 4, 5), nvis), "qlog_nvis": nvis}
     )
     assert hits(s).tolist() == [[4, 0, 2, 1, 3]]
-    assert Policy("sh", hits, Everything()).select(s, 2).tolist() == [[0, 4]]
+    assert Policy("sh", hits, Everything()).partition(s, 2)[0].tolist() == [[0, 4]]
     # Slots never written (nvis 0) hit nothing.
     empty = TokenState(
         positions=torch.arange(5).view(1, 5),
@@ -210,8 +211,12 @@ def test_snapkv_pooling_brings_neighbours():
     s = TokenState(
         positions=torch.arange(8).view(1, 8), stats={"qlog": obs.view(1, 1, 8), "qlog_nvis": torch.ones(1, 1)}
     )
-    assert Policy("s", ObservationWindow(window=1, kernel_size=3), Everything()).select(s, 3).tolist() == [[2, 3, 4]]
-    assert Policy("s", ObservationWindow(window=1, kernel_size=1), Everything()).select(s, 3).tolist() == [[3, 5, 7]]
+    assert Policy("s", ObservationWindow(window=1, kernel_size=3), Everything()).partition(s, 3)[0].tolist() == [
+        [2, 3, 4]
+    ]
+    assert Policy("s", ObservationWindow(window=1, kernel_size=1), Everything()).partition(s, 3)[0].tolist() == [
+        [3, 5, 7]
+    ]
 
 
 @pytest.mark.parametrize("kernel", [3, 5, 7])
@@ -256,9 +261,10 @@ def test_robust_scope_protects_sinks_recent_and_highest_std(phase, n_std):
     top_std = middle[np.argsort(-std[middle])[:n_std]]
     expected = sorted({0, 1, n - 2, n - 1} | set(top_std.tolist()))
     assert scope.protected(s, budget)[0].nonzero().flatten().tolist() == expected
-    torch.testing.assert_close(attention_mean_std(stats)[1][0], torch.tensor(std).float(), rtol=1e-4, atol=1e-6)
+    deviation = attention_variance(s)[0].clamp_min(0.0).sqrt()
+    torch.testing.assert_close(deviation, torch.tensor(std).float(), rtol=1e-4, atol=1e-6)
     # The score fills the rest of the budget among unprotected tokens.
-    keep = Policy("p", Accumulated(), scope).select(s, budget)[0].tolist()
+    keep = Policy("p", Accumulated(), scope).partition(s, budget)[0][0].tolist()
     rest = [j for j in np.argsort(-rows.sum(0)) if j not in expected][: budget - len(expected)]
     assert keep == sorted(expected + [int(j) for j in rest])
     assert scope.min_budget() == 5

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.plan import LayerPlan
-from kvbench.policies.allocation import Adaptive
+from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy
-from kvbench.policies.scopes import Everything, SinksAndWindow
-from kvbench.policies.scores import ObservationWindow, pool_neighbours
+from kvbench.policies.scopes.everything import Everything
+from kvbench.policies.scopes.sinks_window import SinksAndWindow
+from kvbench.policies.scores.snapkv import ObservationWindow, pool_neighbours
 from kvbench.policies.state import TokenState
 
 
@@ -76,9 +77,9 @@ def test_snapkv_keeps_by_the_prefix_alone_with_the_window_protected():
     max at budget 6: positions 1, 2, 3 (6 each); over every entry position 6 (12) would have been among them."""
     scope = SinksAndWindow(n_sink=0, window=3)
     avg = Policy("snapkv", ObservationWindow(window=3, kernel_size=3, pooling="avg"), scope)
-    assert avg.select(hand_state(), 4).tolist() == [[1, 7, 8, 9]]
+    assert avg.partition(hand_state(), 4)[0].tolist() == [[1, 7, 8, 9]]
     high = Policy("snapkv", ObservationWindow(window=3, kernel_size=3, pooling="max"), scope)
-    assert high.select(hand_state(), 6).tolist() == [[1, 2, 3, 7, 8, 9]]
+    assert high.partition(hand_state(), 6)[0].tolist() == [[1, 2, 3, 7, 8, 9]]
 
 
 def test_window_is_found_by_count_not_by_index():

@@ -12,6 +12,7 @@ from matplotlib.container import ErrorbarContainer
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from kvbench.metrics.registry import register_metric
 from kvbench.report.aggregate import (
     bootstrap,
     cell_stats,
@@ -24,7 +25,7 @@ from kvbench.report.aggregate import (
 from kvbench.report.cli import main
 from kvbench.report.load import budget_label, load_rows
 from kvbench.report.plots import FRONTIER, budget_figure, pareto_figure
-from kvbench.report.style import policy_style
+from kvbench.report.style import lower_is_better, policy_style
 from kvbench.report.tables import quality_markdown
 
 SYSTEMS = {
@@ -203,6 +204,31 @@ def test_markdown_bolds_best_per_column_in_the_metric_direction(tmp_path: Path) 
     # fidelity_kl: lower is better
     assert "| h2o | **0.350** | **0.600** | – |" in fid and "| snapkv | 0.950 | 1.200 | – |" in fid
     assert "| full | – | – | 1.000 |" in xsum and "| full | – | – | 0.000 |" in fid  # reference, never bold
+
+
+def test_direction_and_label_come_from_the_metric_registry(tmp_path: Path) -> None:
+    """A declared lower-is-better metric whose name says nothing of it is bolded at its minimum and headed by its
+    label; an undeclared name, even one ending in "loss", is read as higher-is-better and the heading says so."""
+    register_metric("tokens_wasted", higher_is_better=False, label="Tokens wasted")
+    rows = []
+    for task, metric in (("a", "tokens_wasted"), ("b", "undeclared_loss")):
+        for policy, value in (("h2o", 0.2), ("snapkv", 0.7)):
+            rows += [row(policy, b, value + b, task=task, metric=metric) for b in (0.25, 0.5)]
+    write_rows(tmp_path / "s", rows)
+    stats, column, names = stats_of(tmp_path / "s")
+    declared, undeclared = quality_markdown(stats[stats["quantity"].eq(column)], names).split("**m · b · prefill**")
+    assert declared.startswith("**m · a · prefill** — Tokens wasted (lower is better)")
+    assert "| h2o | **0.450** | **0.700** |" in declared and "| snapkv | 0.950 | 1.200 |" in declared
+    assert "undeclared_loss (higher is better: assumed, 'undeclared_loss' is not a declared metric)" in undeclared
+    assert "| snapkv | **0.950** | **1.200** |" in undeclared and "| h2o | 0.450 | 0.700 |" in undeclared
+    assert (lower_is_better("tokens_wasted"), lower_is_better("undeclared_loss")) == (True, False)
+
+
+def test_report_headings_use_declared_labels(tmp_path: Path) -> None:
+    write_rows(tmp_path / "s", [row("h2o", b, 0.5, task="xsum", metric="rougeL") for b in (0.25, 0.5)])
+    stats, column, names = stats_of(tmp_path / "s")
+    markdown = quality_markdown(stats[stats["quantity"].eq(column)], names)
+    assert markdown.startswith("**m · xsum · prefill** — ROUGE-L (higher is better)")
 
 
 def test_torn_last_line_is_skipped(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from kvbench.engine.plan import LayerPlan
 from kvbench.policies.base import Policy
 from kvbench.policies.positions import Rotary, layer_rotaries
 from kvbench.policies.state import TokenState
+from kvbench.policies.statistics import STATISTICS
 
 
 @dataclass
@@ -204,7 +205,7 @@ class KVCache(Cache):
         for name, value in stats.items():
             if name in e.columns:
                 column = e.table[l, rr, : value.shape[-1], e.columns.index(name)]
-                if name == "last":
+                if STATISTICS[name].fold == "replace":
                     column.copy_(value)
                 else:
                     column += value

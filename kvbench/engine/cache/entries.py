@@ -16,9 +16,10 @@ import torch
 
 from kvbench.engine.cache.query_log import QueryLog
 from kvbench.engine.cache.store import KVStore, flat_slots
+from kvbench.policies.statistics import STORED_STATS
 
-# Per-entry statistics a row accumulates from attention ("mass": attention mass merged into an entry).
-STAT_NAMES = ("acc", "sumsq", "last", "mass")
+# Per-entry statistics a row keeps as columns (from attention, and "mass": attention mass merged into an entry).
+STAT_NAMES = STORED_STATS
 
 
 class Entries:

@@ -1,0 +1,70 @@
+"""PyramidKV: more budget in lower layers, decreasing linearly with depth, same total."""
+
+from __future__ import annotations
+
+import math
+
+from kvbench.policies.base import Allocation
+from kvbench.policies.parts import register_allocation
+
+
+@register_allocation("pyramid")
+class Pyramid(Allocation):
+    """PyramidKV's layer budgets: a linear ramp from the bottom layer to the top, same total.
+
+    With r the scope's reserved tokens (sinks + recent window, kept in every layer) and f = B - r the free
+    part of the average budget B, the top layer gets r + f/β and the bottom r + 2f - f/β, linear in between
+    (mean B, as in PyramidKV with β = 20). Budgets are then clipped to [min(r + 1, B), limit] (a layer can
+    never use more than it will hold, so a budget at least the sequence length evicts nothing anywhere),
+    the clipped amount is spread over the other layers, and rounding keeps the exact integer total
+    ``min(L·B, L·limit)``.
+    """
+
+    def __init__(self, beta: float = 20.0):
+        if float(beta) < 1.0:
+            raise ValueError(f"beta={beta} must be >= 1 (1 = uniform)")
+        self.beta = float(beta)
+
+    def layer_budgets(self, budget: int, n_layers: int, limit: int | None = None, reserved: int = 0) -> list[int]:
+        hi = float(limit) if limit is not None else float("inf")
+        if n_layers == 1:
+            return [int(min(budget, hi))]
+        reserved = min(reserved, budget)
+        free = budget - reserved
+        top = reserved + free / self.beta
+        bottom = reserved + 2 * free - free / self.beta
+        raw = [bottom + (top - bottom) * i / (n_layers - 1) for i in range(n_layers)]
+        lo = float(min(reserved + 1, budget))
+        total = int(min(n_layers * budget, n_layers * hi))
+        return integer_split(fit_total(raw, lo, hi, total), lo, hi, total)
+
+    def describe(self) -> str:
+        return f"pyramid(beta={self.beta:g})"
+
+
+def fit_total(raw: list[float], lo: float, hi: float, total: float) -> list[float]:
+    """Clip to [lo, hi] and spread the difference to ``total`` evenly over the layers that can still move."""
+    vals = [min(max(v, lo), hi) for v in raw]
+    for _ in range(len(vals) + 1):
+        diff = total - sum(vals)
+        if abs(diff) < 1e-9:
+            break
+        free = [i for i, v in enumerate(vals) if (v < hi if diff > 0 else v > lo)]
+        if not free:
+            break
+        for i in free:
+            vals[i] = min(max(vals[i] + diff / len(free), lo), hi)
+    return vals
+
+
+def integer_split(vals: list[float], lo: float, hi: float, total: int) -> list[int]:
+    """Round down, then hand the remaining units to the largest fractional parts (within [lo, hi])."""
+    out = [int(math.floor(v + 1e-9)) for v in vals]
+    order = sorted(range(len(vals)), key=lambda i: (-(vals[i] - out[i]), i))
+    k = 0
+    while sum(out) < total and k < 4 * len(out):
+        i = order[k % len(out)]
+        if out[i] + 1 <= hi:
+            out[i] += 1
+        k += 1
+    return out
