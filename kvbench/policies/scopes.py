@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from kvbench.policies.base import Scope, resolve_count
+from kvbench.budget import share
+from kvbench.policies.base import Scope
 from kvbench.policies.scores import attention_variance
 from kvbench.policies.state import TokenState
 
@@ -73,7 +74,7 @@ class SinksAndWindow(Scope):
             raise ValueError(f"n_sink={n_sink} and window={window} must be >= 0")
 
     def window_size(self, budget: int) -> int:
-        return min(resolve_count(self.window, budget), budget - min(self.n_sink, budget))
+        return min(share(self.window, budget), budget - min(self.n_sink, budget))
 
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:
         sinks, window = min(self.n_sink, budget), self.window_size(budget)
