@@ -3,8 +3,8 @@
 A budget is either a fraction in (0, 1] of the reference length (the prompt for stage=prefill/both, prompt plus
 generated tokens for stage=decode) or an integer count of tokens >= 1. A fraction becomes tokens by rounding
 UP: a positive fraction never rounds to zero tokens, and a policy never holds less than the share asked for.
-The fraction is taken as the decimal the user wrote (0.7 of 10 is 7, not the 8 that ``ceil(0.7 * 10)`` gives
-in binary floating point). A scope's window given as a fraction of the budget is sized the same way.
+The fraction is taken as the decimal the user wrote (0.07 of 100 is 7, not the 8 that ``ceil(0.07 * 100)``
+gives in binary floating point). A scope's window given as a fraction of the budget is sized the same way.
 
 The smallest budget a policy can honour is what its scope always protects plus one candidate
 (``Scope.min_budget``); ``too_small`` words the refusal once for every place that checks it.

@@ -70,7 +70,7 @@ def _field_type(schema: type, parts: list[str]) -> tuple[Any, dict[str, Any]] | 
     kind = hints[name]
     if len(parts) == 1:
         return kind, dict(fields[name].metadata)
-    return _field_type(kind, parts[1:]) if dataclasses.is_dataclass(kind) else None
+    return _field_type(kind, parts[1:]) if isinstance(kind, type) and dataclasses.is_dataclass(kind) else None
 
 
 def _enum_in(kind: Any) -> type[Enum] | None:

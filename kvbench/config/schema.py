@@ -24,8 +24,11 @@ class Choice(str, Enum):
     """An enum whose members are their strings (``Stage.prefill == "prefill"``, formatted as ``prefill``), as
     ``enum.StrEnum`` is from Python 3.11 on."""
 
-    __str__ = str.__str__
-    __format__ = str.__format__
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
 
 class Stage(Choice):
