@@ -15,10 +15,21 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from kvbench.config.schema import RunConfig, TaskConfig
 from kvbench.config.spec import ConfigError
 
 T = TypeVar("T")
 _ABSENT = object()
+
+
+def read_run(data: dict[str, Any]) -> RunConfig:
+    """The composed config (plain data) typed as a ``RunConfig``. Top-level keys the schema does not have are a
+    preset's own (roco_paper's ``stage_for_task``); Hydra already refused any the configs do not define. Of the
+    task, only the settings every task shares are typed here: the task checks its own."""
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    shared = {f.name for f in dataclasses.fields(TaskConfig)}
+    task = {k: v for k, v in dict(data.get("task") or {}).items() if k in shared}
+    return typed(RunConfig, {**{k: v for k, v in data.items() if k in known}, "task": task})
 
 
 def typed(schema: type[T], data: dict[str, Any], prefix: str = "") -> T:

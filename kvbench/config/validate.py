@@ -14,8 +14,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.budget import too_small
-from kvbench.config.read import typed
-from kvbench.config.schema import RunConfig, SamplingConfig, Source, TaskConfig
+from kvbench.config.read import read_run
+from kvbench.config.schema import SamplingConfig, Source, Stage
 from kvbench.config.spec import ConfigError, RunSpec
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import build_policy
@@ -26,8 +26,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     data = _plain_config(cfg)
     _check_pretrained_path(dict(data.get("model") or {}))
     task_data = dict(data.get("task") or {})
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    run = typed(RunConfig, {**{k: v for k, v in data.items() if k in known}, "task": _shared(task_data)})
+    run = read_run(data)
     _check_sampling(run.sampling)
     policy_cfg = plain(run.policy)
     try:
@@ -37,7 +36,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     _check_budget(run.budget, policy)
     unsupported = policy.unsupported_stages or ()
     if run.stage in unsupported:
-        allowed = [s.value for s in type(run.stage) if s not in unsupported]
+        allowed = [s.value for s in Stage if s not in unsupported]
         raise ConfigError(f"policy={policy.name} cannot run in stage={run.stage}; use stage in {allowed}")
     model = plain(run.model)
     _check_model(model)
@@ -64,16 +63,16 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
 
 def plain(instance: Any) -> dict[str, Any]:
     """A schema dataclass as a dict of plain values (enums as their strings), for code that takes dicts."""
-    return typing_free(dataclasses.asdict(instance))
+    return _plain_value(dataclasses.asdict(instance))
 
 
-def typing_free(value: Any) -> Any:
+def _plain_value(value: Any) -> Any:
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, dict):
-        return {k: typing_free(v) for k, v in value.items()}
+        return {k: _plain_value(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [typing_free(v) for v in value]
+        return [_plain_value(v) for v in value]
     return value
 
 
@@ -93,12 +92,6 @@ def _plain_config(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"the config does not resolve: {err}") from err
     data.pop("hydra", None)
     return dict(data)
-
-
-def _shared(task: dict[str, Any]) -> dict[str, Any]:
-    """The task settings every task shares (the schema types them; the task checks its own)."""
-    names = {f.name for f in dataclasses.fields(TaskConfig)}
-    return {k: v for k, v in task.items() if k in names}
 
 
 def _check_sampling(sampling: SamplingConfig) -> None:

@@ -72,6 +72,8 @@ class SinksAndWindow(Scope):
         self.window = window
         if self.n_sink < 0 or window < 0:
             raise ValueError(f"n_sink={n_sink} and window={window} must be >= 0")
+        if isinstance(window, float) and window > 1.0:  # kvbench.budget.share: a fraction or an int count
+            raise ValueError(f"scope.window={window} must be a fraction in [0, 1] of the budget or an integer count")
 
     def window_size(self, budget: int) -> int:
         return min(share(self.window, budget), budget - min(self.n_sink, budget))

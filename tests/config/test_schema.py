@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 import kvbench.run  # noqa: F401  (registers the resolver the hydra section uses)
 from kvbench.config import ConfigError, validate
-from kvbench.config.read import typed
-from kvbench.config.schema import ModelConfig, PolicyConfig, RunConfig, Stage, TaskConfig
+from kvbench.config.read import read_run
+from kvbench.config.schema import ModelConfig, PolicyConfig, Stage
 
 TINY = ["model=tiny-llama", "task.n=2", "task.context_tokens=96", "task.max_new_tokens=3"]
 POLICIES = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
@@ -65,12 +65,7 @@ def test_every_swept_value_of_every_preset_reads_against_the_schema(hydra_config
     assert cells
     for overrides in cells:
         data = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
-        known = {f.name for f in dataclasses.fields(RunConfig)}
-        shared = {f.name for f in dataclasses.fields(TaskConfig)}
-        run = typed(
-            RunConfig,
-            {**{k: v for k, v in data.items() if k in known}, "task": {k: data["task"][k] for k in shared}},
-        )
+        run = read_run(data)
         assert isinstance(run.stage, Stage) and run.stage == data["stage"]
 
 

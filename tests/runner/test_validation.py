@@ -140,6 +140,10 @@ CASES = [
     (["batch_size=0"], "batch_size=0 must be a positive integer (sequences decoded together)"),
     (["policy=h2o", "policy.quantize=int4"], "policy.quantize='int4' is unknown; choose one of none, int8, fp8"),
     (["policy=h2o", "policy.merge=maybe"], "policy.merge='maybe' must be true or false"),
+    (
+        ["policy=h2o", "policy.scope.window=1.5"],
+        "policy=h2o: scope.window=1.5 must be a fraction in [0, 1] of the budget or an integer count",
+    ),
     # Policy.unsupported_stages: SnapKV scores from the prompt's observation window, so it only compresses a prompt.
     (["policy=snapkv", "stage=decode"], "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']"),
 ]
