@@ -32,29 +32,27 @@ def read_run(data: dict[str, Any]) -> RunConfig:
     return typed(RunConfig, {**{k: v for k, v in data.items() if k in known}, "task": task})
 
 
-def typed(schema: type[T], data: dict[str, Any], prefix: str = "") -> T:
-    """``data`` as an instance of the dataclass ``schema`` (enums and all), or ``ConfigError``. ``prefix`` is
-    where ``data`` sits in the whole config, for messages (``task.``)."""
+def typed(schema: type[T], data: dict[str, Any]) -> T:
+    """``data`` as an instance of the dataclass ``schema`` (enums and all), or ``ConfigError``."""
     try:
         instance = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), data))
     except OmegaConfBaseException as err:
-        raise ConfigError(_explain(schema, data, err, prefix)) from None
-    _check_ranges(instance, data, prefix)
+        raise ConfigError(_explain(schema, data, err)) from None
+    _check_ranges(instance, data, "")
     return typing.cast(T, instance)
 
 
-def _explain(schema: type, data: dict[str, Any], err: OmegaConfBaseException, prefix: str) -> str:
+def _explain(schema: type, data: dict[str, Any], err: OmegaConfBaseException) -> str:
     key = str(getattr(err, "full_key", "") or "")
-    path = prefix + key
     hint = _field_type(schema, key.split("."))
     if isinstance(err, ConfigKeyError) or hint is None:
-        return f"{path} is not a kvbench setting; remove it (the settings are in kvbench/config/schema.py)"
+        return f"{key} is not a kvbench setting; remove it (the settings are in kvbench/config/schema.py)"
     value = _lookup(data, key)
     kind, meta = hint
     enum = _enum_in(kind)
     if enum is not None:
-        return f"{path}={value!r} is unknown; choose one of {', '.join(m.value for m in enum)}"
-    return f"{path}={value!r} must be {meta.get('expect', 'of another type')}"
+        return f"{key}={value!r} is unknown; choose one of {', '.join(m.value for m in enum)}"
+    return f"{key}={value!r} must be {meta.get('expect', 'of another type')}"
 
 
 def _check_ranges(instance: Any, data: Any, prefix: str) -> None:
