@@ -94,6 +94,24 @@ def tiny_llama(seed: int = 0, vocab_size: int = 264, max_positions: int = TINY_M
     return model
 
 
+def local_path_problem(name_or_path: str) -> str | None:
+    """Why ``name_or_path`` cannot be loaded as a local model, or None (a local directory holding config.json, or
+    a hub id). A path that looks local (``./``, ``../``, ``/``, ``~``, more than one ``/``) is never sent to the
+    hub, whose answer to one is an error about repo ids."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return None
+        return f"model.name_or_path={name_or_path} holds no config.json; point it at a saved model's directory"
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or "\\" in name_or_path
+    if path.exists() or looks_local:
+        return (
+            f"model.name_or_path={name_or_path} is not a model directory; give a local directory holding "
+            "config.json, or a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct"
+        )
+    return None
+
+
 def _checkpoint_path(
     source: str, name_or_path: str | None, cache_dir: str | None, embedded: str | None = None
 ) -> tuple[str, bool]:

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvbench.budget import budget_tokens as resolve_budget  # noqa: F401  (the engine's name for it)
 from kvbench.engine import measure
 from kvbench.engine.plan import LayerPlan
 from kvbench.engine.sampling import DecodeSettings, cut_at_stop
@@ -100,17 +100,6 @@ class Sequence:
     def __post_init__(self) -> None:
         self.sampler = torch.Generator(device=self.device)
         self.sampler.manual_seed(self.request.settings.seed)
-
-
-def resolve_budget(budget: float | int, reference_length: int) -> int:
-    """A fraction in (0, 1] of the reference length (rounded up) or an absolute token count."""
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(f"budget {budget} must be a fraction in (0, 1] or an integer token count >= 1")
-        return max(1, math.ceil(budget * reference_length))
-    if budget < 1:
-        raise ValueError(f"budget {budget} must be a fraction in (0, 1] or an integer token count >= 1")
-    return int(budget)
 
 
 def reference_length(stage: str, context: int, suffix: int, max_new_tokens: int) -> int:

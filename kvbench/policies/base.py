@@ -76,13 +76,6 @@ class Scope(ABC):
         return min(budget, self.min_budget() - 1)
 
 
-def resolve_count(amount: float | int, total: int) -> int:
-    """A fraction of ``total`` (float in [0, 1]) or an absolute count (int)."""
-    if isinstance(amount, float) and amount <= 1.0:
-        return int(round(amount * total))
-    return int(amount)
-
-
 class Allocation:
     """How a budget splits. This base is the uniform split: every layer and every head gets ``budget``."""
 

@@ -12,7 +12,8 @@ from kvbench.tasks.registry import register_task
 
 
 def read_prompts(path: str | Path) -> list[Example]:
-    """Examples from a JSONL file of prompts; fields other than id, prompt and reference go to ``meta``."""
+    """Examples from a JSONL file of prompts; fields other than id, prompt and reference go to ``meta``. A line
+    that is not a JSON object with a string ``prompt`` is refused with its file and line number."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"task.path={path} does not exist; point task.path at a JSONL file of prompts")
@@ -20,9 +21,12 @@ def read_prompts(path: str | Path) -> list[Example]:
     for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
-        if "prompt" not in record:
-            raise ValueError(f"{path}:{number}: every line needs a 'prompt' field")
+        record = parse_line(line, f"{path}:{number}")
+        if not isinstance(record.get("prompt"), str):
+            raise ValueError(
+                f"{path}:{number}: every line needs a 'prompt' field holding text, e.g. "
+                '{"id": "q1", "prompt": "...", "reference": "..."}'
+            )
         reference = record.get("reference")
         meta = {k: v for k, v in record.items() if k not in ("id", "prompt", "reference")}
         out.append(
@@ -33,7 +37,20 @@ def read_prompts(path: str | Path) -> list[Example]:
                 meta=meta,
             )
         )
+    if not out:
+        raise ValueError(f"{path} holds no prompts; give one JSON object per line")
     return out
+
+
+def parse_line(line: str, where: str) -> dict[str, Any]:
+    """One JSONL line as a JSON object, or a ``ValueError`` naming ``where`` (file:line) and what is wrong."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); fix or remove the line") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: each line must be one JSON object ({{...}}), not {type(record).__name__}")
+    return record
 
 
 @register_task("jsonl")
@@ -55,12 +72,12 @@ class JsonlTask(Task):
         self.max_new_tokens, self.max_prompt_tokens = int(max_new_tokens), max_prompt_tokens
 
     def validate(self) -> None:
-        if not Path(self.path).is_file():
-            raise FileNotFoundError(f"task.path={self.path} does not exist; point task.path at a JSONL file of prompts")
+        """Read every line now (prompts are small), so a bad one is refused before any model loads."""
+        read_prompts(self.path)
 
     def examples(self) -> list[Example]:
         examples = read_prompts(self.path)
-        return examples[: self.n] if self.n else examples
+        return examples if self.n is None else examples[: self.n]
 
     def render(self, example: Example, tokenizer: Any) -> RenderedPrompt:
         ids = render_ids(tokenizer, example.prompt, self.chat_template)

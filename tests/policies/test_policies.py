@@ -87,7 +87,8 @@ def test_every_named_policy_has_a_config():
     for name in NAMED:
         cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / f"{name}.yaml"), resolve=True)
         assert cfg["name"] == name
-        assert {"name", "score", "scope", "allocation", "merge", "quantize", "positions"} <= set(cfg)
+        # A file names its parts; the allocation and the extras default in kvbench/config/schema.py (tests/config).
+        assert {"name", "score", "scope"} <= set(cfg)
 
 
 def test_tiny_configs_cap_token_counts_and_nothing_else():

@@ -7,10 +7,12 @@ no cell wrote rows.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 import torch
+from conftest import REPO
 from hydra.core.global_hydra import GlobalHydra
 
 import kvbench.models
@@ -18,6 +20,8 @@ import kvbench.run as entry
 from kvbench.runner import model_cache
 
 TINY = ["model=tiny-llama", "task.n=2", "task.context_tokens=128", "task.max_new_tokens=4"]
+REFUSED = REPO / "tests" / "runner" / "refused"  # small bad input files, committed so that the doc's paths are stable
+DOC = REPO / "docs" / "refused_inputs.md"
 
 
 @pytest.fixture
@@ -102,7 +106,7 @@ CASES = [
     (["sampling.do_sample=true", "sampling.temperature=0"], "sampling.temperature=0 must be > 0"),
     (["sampling.do_sample=true", "sampling.top_p=1.5"], "sampling.top_p=1.5 must be in (0, 1]"),
     (["sampling.temperature=hot"], "sampling.temperature='hot' must be a number"),
-    (["model.source=weird"], "model.source='weird' is unknown; choose embedded, pretrained or tiny"),
+    (["model.source=weird"], "model.source='weird' is unknown; choose one of embedded, pretrained, tiny"),
     (["model.dtype=float8"], "model.dtype='float8' is unknown; choose one of auto, float32, float16, bfloat16"),
     (["model.device=tpu"], "model.device='tpu' is unknown; choose auto, cpu, cuda, cuda:N or mps"),
     (
@@ -121,16 +125,45 @@ CASES = [
     (["task=longbench", "task.subset=klingon"], "unknown LongBench subset 'klingon'"),
     (["task=retrieval", "task.needle=haystack"], "task.needle must be 'passkey' or 'kv', not 'haystack'"),
     (["tracking.wandb.mode=loud"], "tracking.wandb.mode='loud' is unknown; choose one of online, offline, disabled"),
-    (["model=hf"], "model.name_or_path must be set"),
+    (["model=hf"], "model.source=pretrained needs model.name_or_path=<hub id or local directory>"),
+    (["model=hf", "model.name_or_path=./nope"], "model.name_or_path=./nope is not a model directory"),
+    (
+        ["task=jsonl", f"task.path={REFUSED}/bad_line.jsonl"],
+        "bad_line.jsonl:2: not valid JSON (Expecting ',' delimiter at column 38); fix or remove the line",
+    ),
+    (
+        ["task=jsonl", f"task.path={REFUSED}/no_prompt.jsonl"],
+        "no_prompt.jsonl:2: every line needs a 'prompt' field holding text",
+    ),
+    (["task.n=0"], "task.n=0 must be a positive integer (how many examples) or null (every example)"),
+    (["task.n=-1"], "task.n=-1 must be a positive integer (how many examples) or null (every example)"),
+    (["capacity.memory_gib=0"], "capacity.memory_gib=0 must be a positive number of GiB"),
+    (["batch_size=0"], "batch_size=0 must be a positive integer (sequences decoded together)"),
+    (["policy=h2o", "policy.quantize=int4"], "policy.quantize='int4' is unknown; choose one of none, int8, fp8"),
+    (["policy=h2o", "policy.merge=maybe"], "policy.merge='maybe' must be true or false"),
+    (
+        ["policy=h2o", "policy.scope.window=1.5"],
+        "policy=h2o: scope.window=1.5 must be a fraction in [0, 1] of the budget or an integer count",
+    ),
+    # Policy.unsupported_stages: SnapKV scores from the prompt's observation window, so it only compresses a prompt.
+    (["policy=snapkv", "stage=decode"], "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']"),
 ]
+MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 
 
-@pytest.mark.parametrize("overrides, message", CASES, ids=[" ".join(c[0]) for c in CASES])
+@pytest.mark.parametrize("overrides, message", CASES, ids=[" ".join(c[0]).replace(f"{REPO}/", "") for c in CASES])
 def test_bad_input_gets_one_message_and_no_model(cli, overrides, message):
+    code, line = refuse(cli, overrides)
+    assert code == 2
+    assert message in line
+
+
+def refuse(cli, overrides: list[str]) -> tuple[int, str]:
+    """Run one refused command line; (exit status, its one kvbench line), remembered for the doc."""
     base = ["model=tiny-llama"] if any(o.startswith(("task=", "model=")) for o in overrides) else TINY
     code, err = cli(*base, *overrides)
-    assert code == 2
-    assert message in one_message(err)
+    MESSAGES[" ".join(overrides)] = (code, one_message(err))
+    return MESSAGES[" ".join(overrides)]
 
 
 def test_cuda_device_without_cuda(cli):
@@ -163,15 +196,54 @@ def test_wandb_online_with_a_netrc_entry_passes_the_check(monkeypatch, tmp_path)
     assert "needs credentials" in check_credentials("online")
 
 
-def test_policy_that_cannot_run_in_a_stage(cli):
-    """``Policy.unsupported_stages``: SnapKV scores from the prompt's observation window, so it only
-    compresses a prompt."""
-    code, err = cli(*TINY, "policy=snapkv", "stage=decode")
-    assert code == 2
-    assert "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']" in one_message(err)
-
-
 def test_a_sweep_with_an_unknown_option_runs_nothing(cli):
     """Hydra composes every cell of a sweep before it launches any, so a typo costs nothing."""
     code, err = cli("-m", *TINY, "policy=window,nope")
     assert code == 1 and "Could not find 'policy/nope'" in err
+
+
+# ---------------------------------------------------------------- docs/refused_inputs.md
+
+
+def test_refused_inputs_doc_is_current(cli):
+    """docs/refused_inputs.md is this file's CASES with the messages they really get: it fails when the
+    committed file differs, and rewrites it when KVBENCH_WRITE_DOCS=1."""
+    rows = []
+    for overrides, _ in CASES:
+        key = " ".join(overrides)
+        code, message = MESSAGES[key] if key in MESSAGES else refuse(cli, overrides)
+        shown = [o.replace(f"{REPO}/", "") for o in overrides]
+        rows.append(f"| `kvbench-run {' '.join(shown)}` | {code} | {cell(message.replace(f'{REPO}/', ''))} |")
+    text = DOC_HEAD + "\n".join(rows) + "\n" + DOC_TAIL
+    if os.environ.get("KVBENCH_WRITE_DOCS") == "1":
+        DOC.write_text(text, encoding="utf-8")
+    assert DOC.read_text(encoding="utf-8") == text, (
+        f"{DOC.relative_to(REPO)} is stale: rerun with KVBENCH_WRITE_DOCS=1 "
+        "(pytest tests/runner/test_validation.py) and commit it"
+    )
+
+
+def cell(text: str) -> str:
+    """Text inside a markdown table cell: pipes escaped, code spans kept literal."""
+    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
+
+
+DOC_HEAD = """# Refused inputs
+
+Every command line below is refused before any model weights load, with one line on stderr and exit status 2
+(in a sweep, `-m`, the line goes to the cell's `error.txt` and the other cells run). Generated by
+`tests/runner/test_validation.py` from the cases it checks; do not edit by hand: rerun it with
+`KVBENCH_WRITE_DOCS=1` after changing a message. Each command ran after `model=tiny-llama` (and, when it names
+neither a model nor a task, `task.n=2 task.context_tokens=128 task.max_new_tokens=4`), from the repository root.
+
+| command line | exit status | message |
+|---|---|---|
+"""
+
+DOC_TAIL = """
+Also refused, with messages that depend on the machine (checked by the same test file):
+`model.device=cuda` where CUDA is not available, and `tracking.wandb.mode=online` without wandb credentials.
+Hydra itself refuses, with exit status 1 and its own message, an unknown option of a config group
+(`policy=nope`: it lists the available ones), an unknown key (`budgett=0.5`: `Key 'budgett' is not in struct`)
+and a malformed override; in a sweep it does so before any cell runs.
+"""

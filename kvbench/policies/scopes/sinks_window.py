@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.policies.base import Scope, resolve_count
+from kvbench.budget import share
+from kvbench.policies.base import Scope
 from kvbench.policies.ends import first_n, last_n, shield_ends
 from kvbench.policies.parts import register_scope
 from kvbench.policies.state import TokenState
@@ -19,9 +20,11 @@ class SinksAndWindow(Scope):
         self.window = window
         if self.n_sink < 0 or window < 0:
             raise ValueError(f"n_sink={n_sink} and window={window} must be >= 0")
+        if isinstance(window, float) and window > 1.0:  # kvbench.budget.share: a fraction or an int count
+            raise ValueError(f"scope.window={window} must be a fraction in [0, 1] of the budget or an integer count")
 
     def window_size(self, budget: int) -> int:
-        return min(resolve_count(self.window, budget), budget - min(self.n_sink, budget))
+        return min(share(self.window, budget), budget - min(self.n_sink, budget))
 
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:
         sinks, window = min(self.n_sink, budget), self.window_size(budget)

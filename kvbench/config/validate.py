@@ -1,0 +1,162 @@
+"""Turn a composed Hydra config into a validated ``RunSpec``.
+
+Every check here runs before any model weights load, so a bad sweep cell fails in milliseconds with one
+message that names the fix. Types, choices and ranges come from the schema (``read``); what is left here are
+the rules that span several settings, and the ones that look outside the config (files, CUDA, credentials).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.budget import too_small
+from kvbench.config.read import read_run
+from kvbench.config.schema import SamplingConfig, Source, Stage
+from kvbench.config.spec import ConfigError, RunSpec
+from kvbench.policies.base import Policy
+from kvbench.policies.registry import build_policy
+
+
+def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
+    """Check one cell's config; raise ``ConfigError`` naming the fix."""
+    data = _plain_config(cfg)
+    _check_pretrained_path(dict(data.get("model") or {}))
+    task_data = dict(data.get("task") or {})
+    run = read_run(data)
+    _check_sampling(run.sampling)
+    policy_cfg = plain(run.policy)
+    try:
+        policy = build_policy(policy_cfg)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"policy={run.policy.name}: {err}") from err
+    _check_budget(run.budget, policy)
+    unsupported = policy.unsupported_stages or ()
+    if run.stage in unsupported:
+        allowed = [s.value for s in Stage if s not in unsupported]
+        raise ConfigError(f"policy={policy.name} cannot run in stage={run.stage}; use stage in {allowed}")
+    model = plain(run.model)
+    _check_model(model)
+    _check_task(task_data)
+    tracking = plain(run.tracking)
+    _check_tracking(tracking)
+    return RunSpec(
+        model=model,
+        policy_cfg=policy_cfg,
+        task_cfg=task_data,
+        policy=policy,
+        budget=run.budget,
+        stage=str(run.stage.value),
+        stride=run.stride,
+        seed=run.seed,
+        max_new_tokens=run.max_new_tokens,
+        sampling=plain(run.sampling),
+        fidelity=run.fidelity,
+        tracking=tracking,
+        batch_size=run.batch_size,
+        capacity=plain(run.capacity),
+    )
+
+
+def plain(instance: Any) -> dict[str, Any]:
+    """A schema dataclass as a dict of plain values (enums as their strings), for code that takes dicts."""
+    return _plain_value(dataclasses.asdict(instance))
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain_value(v) for v in value]
+    return value
+
+
+def _plain_config(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
+    """The config as plain data, refusing unset (``???``) values and interpolations that do not resolve."""
+    if not isinstance(cfg, DictConfig):
+        return {k: v for k, v in dict(cfg).items() if k != "hydra"}
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+    if missing:
+        raise ConfigError(
+            f"{', '.join(missing)} must be set (it is ??? in the config): add "
+            f"{' '.join(m + '=...' for m in missing)} to the command line"
+        )
+    try:
+        data: Any = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as err:  # a bad interpolation: name it rather than crash later
+        raise ConfigError(f"the config does not resolve: {err}") from err
+    data.pop("hydra", None)
+    return dict(data)
+
+
+def _check_sampling(sampling: SamplingConfig) -> None:
+    if not sampling.do_sample:
+        return
+    if sampling.temperature <= 0:
+        raise ConfigError(
+            f"sampling.temperature={sampling.temperature:g} must be > 0 when sampling.do_sample=true "
+            "(use sampling.do_sample=false for greedy decoding)"
+        )
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise ConfigError(f"sampling.top_p={sampling.top_p:g} must be in (0, 1]")
+
+
+def _check_budget(budget: float | int, policy: Policy) -> None:
+    """A token budget below what the policy always protects (a fraction is checked per example, in tokens)."""
+    problem = too_small(budget, policy) if isinstance(budget, int) else None
+    if problem:
+        raise ConfigError(f"budget={problem}")
+
+
+def _check_pretrained_path(model: dict[str, Any]) -> None:
+    """Before typing: a pretrained model's name defaults to its path, so a missing path would be reported as a
+    missing name."""
+    if model.get("source") == Source.pretrained and not model.get("name_or_path"):
+        raise ConfigError("model.source=pretrained needs model.name_or_path=<hub id or local directory>")
+
+
+def _check_model(model: dict[str, Any]) -> None:
+    """Source, path and device, checked without touching weights (or CUDA beyond asking if it is there)."""
+    from kvbench.embedded import embedded_package_error
+    from kvbench.models import local_path_problem
+
+    if model["source"] == Source.pretrained:
+        problem = local_path_problem(model["name_or_path"])
+        if problem:
+            raise ConfigError(problem)
+    device = str(model["device"])
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.device={device} but CUDA is not available here; use model.device=auto or cpu")
+        index = device.partition(":")[2]
+        if index and int(index) >= torch.cuda.device_count():
+            raise ConfigError(f"model.device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    problem = embedded_package_error(model)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _check_tracking(tracking: dict[str, Any]) -> None:
+    from kvbench.tracking import check_settings
+
+    problem = check_settings(dict(tracking.get("wandb") or {}))
+    if problem:
+        raise ConfigError(problem)
+
+
+def _check_task(task_cfg: dict[str, Any]) -> None:
+    """Build the task (cheap: no model) so unknown names, missing files and unreadable prompts fail now."""
+    from kvbench.tasks.registry import build_task
+
+    try:
+        task = build_task(task_cfg)
+        task.validate()
+    except (ValueError, FileNotFoundError, TypeError) as err:
+        raise ConfigError(f"task={task_cfg.get('name')}: {err}") from err
