@@ -107,7 +107,7 @@ def test_minimum_is_what_the_scope_protects_plus_one():
 
 
 def test_scopes_size_fractional_windows_with_the_same_rounding():
-    from kvbench.policies.scopes import SinksAndWindow
+    from kvbench.policies.scopes.sinks_window import SinksAndWindow
 
     # H2O: a window of half the budget; 25 tokens -> 12.5 up = 13 recent, 12 left to the scores.
     assert SinksAndWindow(n_sink=0, window=0.5).window_size(25) == 13

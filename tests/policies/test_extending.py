@@ -11,6 +11,7 @@ import re
 import shlex
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -49,12 +50,15 @@ def example() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def score_class(example: dict[str, str]) -> type:
-    """Import the guide's module (as ``kvbench/policies/scores/acc_per_norm.py`` would be imported)."""
+def score_class(example: dict[str, str]) -> Iterator[type]:
+    """Import the guide's module (as ``kvbench/policies/scores/acc_per_norm.py`` would be imported); other
+    tests list the registered scores, so the toy one is gone again afterwards."""
     module = types.ModuleType("acc_per_norm_from_guide")
     exec(compile(example["python"], str(GUIDE), "exec"), module.__dict__)
     sys.modules[module.__name__] = module
-    return SCORES.get("acc_per_norm")
+    yield SCORES.get("acc_per_norm")
+    SCORES.unregister("acc_per_norm")
+    del sys.modules[module.__name__]
 
 
 def test_the_score_registers_and_ranks_by_attention_per_key_norm(score_class: type) -> None:
