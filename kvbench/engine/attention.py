@@ -7,7 +7,7 @@ logit softcapping (``cap · tanh(logit / cap)`` before the mask, Gemma 2); the f
 A decode step (one query per sequence, several sequences at once) attends over its rows' slots, each row
 masked to what it holds (``CacheLayer.visible``: free slots, masked replay) where needed. One unmasked
 sequence without statistics takes transformers' SDPA; otherwise one batched product per row gives the output
-and the statistics from the same probabilities (also faster than SDPA for several sequences, measured on CPU).
+and the statistics from the same probabilities (for several sequences about as fast as SDPA on CPU: docs/perf/batch.md).
 A prompt chunk is one sequence's. Where no statistic needs every query, its output comes from SDPA with a mask
 built per layer (causal inside the chunk, every kept past entry visible except what the window or ``visible``
 hides) and the few rows a policy reads (the last query, an observation window) from
@@ -152,7 +152,7 @@ def kvbench_attention(
     window = layer.step_window(size)
     collecting = bool(needs & ATTENTION_STATS)
     if q == 1:
-        # SDPA only for one unmasked sequence: for several, one batched product per row measured faster.
+        # SDPA only for one unmasked sequence: for several, one batched product per row (docs/perf/batch.md).
         plain = query.shape[0] == 1 and layer.visible is None and window is None
         if collecting or softcap is not None or not plain:
             output, stats = decode_attention(
