@@ -27,6 +27,7 @@ DEVICE = torch.device(os.environ.get("KVBENCH_TEST_DEVICE", "cuda"))
 ON_CUDA = DEVICE.type == "cuda"
 pytestmark = [pytest.mark.usefixtures("one_thread")] + ([pytest.mark.gpu] if ON_CUDA else [])
 PROMPT, NEW, STRIDE = 48, 12, 8
+LOGIT_TOL = 1e-4  # of the largest logit: a chunked prefill and generate's one pass use different kernels
 CASES = [(n, s) for n in NAMED for s in ("prefill", "decode", "both") if s not in named(n).unsupported_stages]
 
 
@@ -74,7 +75,7 @@ def test_budget_at_least_length_equals_generate(device_tiny, hf_reference, name,
     assert g.logits is not None
     assert g.logits.device.type == "cpu" and device_tiny.model.device.type == DEVICE.type
     assert g.tokens == ref_tokens, f"{name} {stage}: generate's top-2 logit gaps {top2_gaps(ref_logits)}"
-    torch.testing.assert_close(g.logits, ref_logits, rtol=1e-4, atol=1e-4 * float(ref_logits.abs().max()))
+    torch.testing.assert_close(g.logits, ref_logits, rtol=0, atol=LOGIT_TOL * float(ref_logits.abs().max()))
 
 
 def test_the_unfused_forward_equals_generate_too(device_tiny, hf_reference):
@@ -93,7 +94,7 @@ def test_the_unfused_forward_equals_generate_too(device_tiny, hf_reference):
     )
     assert g.tokens == ref_tokens
     assert g.logits is not None
-    torch.testing.assert_close(g.logits, ref_logits, rtol=1e-4, atol=1e-4 * float(ref_logits.abs().max()))
+    torch.testing.assert_close(g.logits, ref_logits, rtol=0, atol=LOGIT_TOL * float(ref_logits.abs().max()))
 
 
 @pytest.mark.parametrize("name", NAMED)
@@ -157,7 +158,8 @@ def test_out_of_memory_inside_a_probe_is_a_probe_that_does_not_fit(device_tiny, 
     """The error comes from the cache's first allocation, mid-forward; the probe says the batch does not fit,
     frees what the run held, restores the model's attention, and the next probe runs."""
     model, reqs = device_tiny.model, probe_requests()
-    assert probe(model, reqs, named("h2o"), 0.5, "both", 2, cap_bytes=1 << 50).fits  # what persists is made
+    # First a run that leaves allocated what stays for good (the fused weights, the BLAS workspace).
+    assert probe(model, reqs, named("h2o"), 0.5, "both", 2, cap_bytes=1 << 50).fits
     before = torch.cuda.memory_allocated(DEVICE) if ON_CUDA else 0
     original = store.KVStore.__init__
 
