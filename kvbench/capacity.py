@@ -10,6 +10,7 @@ median step time while the batch was full.
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -62,10 +63,12 @@ def probe(
         except torch.cuda.OutOfMemoryError as err:
             error = f"OutOfMemoryError: {err}"
     del run
-    if error is not None:
-        torch.cuda.empty_cache()
-        return Probe(batch, False, memory.peak, memory.kind, None, None, None, error)
     peak = memory.peak + (memory.base if device.type == "cuda" else 0)  # CUDA: all device memory in use
+    if error is not None:
+        if device.type == "cuda":  # the failed run's blocks go back to the device before the next probe
+            gc.collect()
+            torch.cuda.empty_cache()
+        return Probe(batch, False, peak, memory.kind, None, None, None, error)
     full_steps = [
         dt for g in generations[:1] for dt, n in zip(g.decode_latencies_s, g.decode_batch_sizes) if n == batch
     ]

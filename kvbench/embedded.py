@@ -68,7 +68,7 @@ EMBEDDED_PACKAGE, EMBEDDED_GGUF = SMOLLM2.packages[0], SMOLLM2.gguf_file  # the 
 
 
 def embedded_spec(key: str | None) -> EmbeddedModel:
-    """The registry entry for ``model.embedded`` (SmolLM2 when unset, as before the field existed)."""
+    """The registry entry for ``model.embedded`` (SmolLM2 when unset)."""
     key = key or DEFAULT_EMBEDDED
     if key not in EMBEDDED:
         raise ValueError(f"model.embedded={key!r} is unknown; choose {', '.join(EMBEDDED)}")

@@ -76,7 +76,7 @@ def tiny_llama_config(vocab_size: int = 264, max_positions: int = TINY_MAX_POSIT
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=256,
         eos_token_id=257,
         pad_token_id=258,

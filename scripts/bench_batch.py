@@ -2,6 +2,7 @@
 
     python scripts/bench_batch.py                    # the README's table (about 25 minutes on 2 CPU cores)
     python scripts/bench_batch.py --model tiny-llama --context 128 --new-tokens 8 --rounds 1 --out /tmp/b  # seconds
+    python scripts/bench_batch.py --device cuda --out /tmp/b    # the same on a GPU
 
 Every compared figure comes from runs interleaved in one process, the order rotating round by round, so a slow
 spell of the machine lands on all of them alike; a figure is the median over ``--rounds``.
@@ -89,8 +90,9 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("docs/perf"))
+    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: CUDA when torch sees it)")
     args = ap.parse_args()
-    lm = load_model(args.model, **MODELS[args.model], dtype="float32")
+    lm = load_model(args.model, **MODELS[args.model], dtype="float32", device=args.device)
     model = lm.model
     model.generation_config.eos_token_id = None  # exactly new_tokens every run
     model.generation_config.pad_token_id = 0

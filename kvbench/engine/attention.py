@@ -7,7 +7,7 @@ logit softcapping (``cap · tanh(logit / cap)`` before the mask, Gemma 2); the f
 A decode step (one query per sequence, several sequences at once) attends over its rows' slots, each row
 masked to what it holds (``CacheLayer.visible``: free slots, masked replay) where needed. One unmasked
 sequence without statistics takes transformers' SDPA; otherwise one batched product per row gives the output
-and the statistics from the same probabilities (also faster than SDPA for several sequences, measured on CPU).
+and the statistics from the same probabilities (for several sequences about as fast as SDPA on CPU: docs/perf/batch.md).
 A prompt chunk is one sequence's. Where no statistic needs every query, its output comes from SDPA with a mask
 built per layer (causal inside the chunk, every kept past entry visible except what the window or ``visible``
 hides) and the few rows a policy reads (the last query, an observation window) from
@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
 from kvbench.engine.visibility import Window, visibility
 from kvbench.policies.statistics import ATTENTION_STATS, SUMMED_STATS
+
+if TYPE_CHECKING:
+    from kvbench.engine.cache.cache import KVCache
 
 ATTN_NAME = "kvbench"
 # Arguments of transformers' attention interface that carry nothing kvbench must compute (bookkeeping the
@@ -129,14 +133,15 @@ def kvbench_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    cache = kwargs.pop("kvbench_cache", None)
+    cache: KVCache | None = kwargs.pop("kvbench_cache", None)
     if cache is None:  # a plain call (no kvbench cache): behave exactly like SDPA
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    layer = cache.layers[module.layer_idx]
+    layer_idx = cast(int, module.layer_idx)  # every transformers attention module numbers its layer
+    layer = cache.kv_layers[layer_idx]
     kwargs["dropout"] = dropout  # the rest of kwargs is not read past this point
-    size, softcap = family_arguments(module.layer_idx, kwargs, layer.plan.window)
+    size, softcap = family_arguments(layer_idx, kwargs, layer.plan.window)
     q = query.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     policy = layer.policy
@@ -144,7 +149,7 @@ def kvbench_attention(
     window = layer.step_window(size)
     collecting = bool(needs & ATTENTION_STATS)
     if q == 1:
-        # SDPA only for one unmasked sequence: for several, one batched product per row measured faster.
+        # SDPA only for one unmasked sequence: for several, one batched product per row (docs/perf/batch.md).
         plain = query.shape[0] == 1 and layer.visible is None and window is None
         if collecting or softcap is not None or not plain:
             output, stats = decode_attention(
@@ -157,7 +162,7 @@ def kvbench_attention(
                 ],
                 {},
             )
-        cache.after_attention(module.layer_idx, q, stats)
+        cache.after_attention(layer_idx, q, stats)
         return output, None
     if query.shape[0] != 1:
         raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
@@ -178,7 +183,7 @@ def kvbench_attention(
             value,
         )
         output = stats.pop("output")
-        cache.after_attention(module.layer_idx, q, stats)
+        cache.after_attention(layer_idx, q, stats)
         return output, None
     output = _sdpa(module, query, key, value, scaling, past, layer.visible, window)
     stats = (
@@ -186,7 +191,7 @@ def kvbench_attention(
         if collecting
         else {}
     )
-    cache.after_attention(module.layer_idx, q, stats)
+    cache.after_attention(layer_idx, q, stats)
     return output, None
 
 
@@ -234,7 +239,7 @@ AttentionInterface.register(ATTN_NAME, kvbench_attention)
 
 
 @contextlib.contextmanager
-def kvbench_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
+def kvbench_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
     """Route the model's attention through kvbench for the duration of a generation."""
     previous = model.config._attn_implementation
     if previous == ATTN_NAME:  # already routed (a run held across steps): nothing to set or restore

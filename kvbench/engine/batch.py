@@ -180,7 +180,9 @@ class BatchRun:
                 s.traces.append(cache.kept_positions(lo + i))
         return logits
 
-    def _replay_masks(self, cache: KVCache, seqs: list[Sequence], positions: list[list[int]]) -> list | None:
+    def _replay_masks(
+        self, cache: KVCache, seqs: list[Sequence], positions: list[list[int]]
+    ) -> list[torch.Tensor] | None:
         """Masked replay: each layer's past hidden down to what the traced run held at this step, by position."""
         traced = [s.request.replay_trace for s in seqs]
         if all(t is None for t in traced) or all(s.forwards == 0 for s in seqs):
@@ -188,11 +190,12 @@ class BatchRun:
         if any(t is None for t in traced):
             raise ValueError("masked replay needs a trace for every sequence of the batch")
         width = max(p[-1] for p in positions) + 1
-        masks = []
+        masks: list[torch.Tensor] = []
         for l in range(len(cache.layers)):
             rows = []
-            for s, p in zip(seqs, positions):
-                held = s.request.replay_trace[s.forwards - 1][l].to(self.device)
+            for s, p, trace in zip(seqs, positions, traced):
+                assert trace is not None, "checked above: every sequence has a trace"
+                held = trace[s.forwards - 1][l].to(self.device)
                 by_position = torch.zeros(held.shape[0], width, dtype=torch.bool, device=self.device)
                 by_position.scatter_(1, held, True)
                 by_position[:, p[0] :] = True  # the step's own tokens
@@ -223,6 +226,7 @@ class BatchRun:
         if request.suffix_ids:
             logits = self._forward(cache, 0, [seq], [list(request.suffix_ids)], False, "prefill")
         seq.prefill_s = measure.now(self.device) - seq.t0
+        assert logits is not None, "a prompt has at least one chunk"
         self._take(seq, logits[0])
         seq.ttft_s = measure.now(self.device) - seq.t0
         seq.peak_prefill = measure.peak_memory_bytes(self.device)
@@ -286,6 +290,7 @@ class BatchRun:
             )
             last = self.live[-1]
             if last is not seq:
+                assert self.batch is not None, "two live sequences share the batch's cache"
                 self.batch.copy_slot(self.batch, last.slot, seq.slot)
                 self.live[seq.slot] = last
                 last.slot = seq.slot

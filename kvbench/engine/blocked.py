@@ -76,6 +76,7 @@ def attention_statistics(
     out = _blocked_pass(query, key, scaling, past, visible_past, needs, history, window, softcap, value, False)
     if out is None:
         out = _blocked_pass(query, key, scaling, past, visible_past, needs, history, window, softcap, value, True)
+        assert out is not None, "the shifted pass always stays in range"
     return out
 
 
@@ -145,7 +146,9 @@ def _blocked_pass(
 
 def _empty_statistics(step: _Step, hkv: int, q: int, n: int) -> dict[str, torch.Tensor]:
     device = step.keys.device
-    out = {name: torch.zeros(hkv, n, device=device) for name in ("acc", "sumsq", "last") if name in step.needs}
+    out: dict[str, torch.Tensor] = {
+        name: torch.zeros(hkv, n, device=device) for name in ("acc", "sumsq", "last") if name in step.needs
+    }
     if step.log_from < q:
         out["qlog"] = torch.zeros(hkv, q - step.log_from, n, device=device)
         out["qlog_nvis"] = torch.zeros(hkv, q - step.log_from, device=device)
@@ -190,6 +193,7 @@ def _attend_blocks(step: _Step, blocks: Sequence[tuple[int, int, int]]) -> tuple
             biggest.append(total.amax())
             inverse = total.reciprocal_()
         if step.output is not None:
+            assert step.values is not None, "a step with an output has its values"
             block_output = step.output[:, start:end].view(hkv, rows * group, -1)
             torch.bmm(logits, step.values[:, lo:hi], out=block_output)
             if inverse is not None:

@@ -75,8 +75,8 @@ class FusedLlama:
                     )
                 )
         self.head_dim = self.layers[0].attn.head_dim
-        # MKL's packed GEMM for one batch size (``pack``): on CPU it multiplies several rows at once about 1.5×
-        # faster than the plain product (measured), at the cost of a packed copy of every weight.
+        # MKL's packed GEMM for one batch size (``pack``): on CPU MKL's plain product picks a slow kernel for a few
+        # rows at once, the packed one does not (docs/perf/batch.md), at the cost of a packed copy of every weight.
         self.packed_batch = 0
         self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

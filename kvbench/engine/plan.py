@@ -116,8 +116,9 @@ def plan_layers(
     if budget is not None and evicting:
         # No layer needs more than it will ever hold in an evicting step.
         limit = context if stage == "prefill" else context + suffix + max_new
-        if all(windows[i] is not None for i in evicting):  # no layer can hold more than its window - 1
-            limit = min(limit, min(windows[i] for i in evicting) - 1)
+        evicting_windows = [w for i in evicting if (w := windows[i]) is not None]
+        if len(evicting_windows) == len(evicting):  # every one slides: none can hold more than its window - 1
+            limit = min(limit, min(evicting_windows) - 1)
         budgets.update(zip(evicting, policy.layer_budgets(budget, len(evicting), limit)))
     plans, held_window = [], window_only(policy)
     total = context + suffix + max_new

@@ -4,8 +4,8 @@ A blocked attention pass is a long sequence of products and reductions of a few 
 after another, every operation forks the intra-op threads and joins them again, and each block's products
 stream through the shared cache; SDPA's own CPU kernel instead gives each thread whole tiles. Splitting the
 blocks across as many threads as intra-op parallelism allows, each with its own single-threaded operations
-(they release Python's lock), does the same: on 2 cores it took an 8k-token statistics pass from about 1.4 × to
-about 1.05 × SDPA's time (``docs/perf/prefill.md``). Elsewhere than on CPU the work runs as it is.
+(they release Python's lock), does the same (what it bought: ``docs/perf/prefill.md``). Elsewhere than on CPU
+the work runs as it is.
 """
 
 from __future__ import annotations

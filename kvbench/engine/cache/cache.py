@@ -10,7 +10,7 @@ layer has attended, ``end_step`` evicts (a layer's cache is not read again befor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache
@@ -58,7 +58,7 @@ class KVCache(Cache):
             if model is None:
                 raise ValueError("positions=reindex needs the model (its rotary embedding) to build the cache")
             self.rotaries = layer_rotaries(model)
-        rotaries = self.rotaries or [None] * len(plans)
+        rotaries: list[Rotary | None] = list(self.rotaries) if self.rotaries else [None] * len(plans)
         super().__init__(
             layers=[CacheLayer(self, i, plan, rotary) for i, (plan, rotary) in enumerate(zip(plans, rotaries))]
         )
@@ -68,15 +68,26 @@ class KVCache(Cache):
         self.evicting, self.collecting, self.phase = False, True, "prefill"
         self._pending: torch.Tensor | None = None
         self._cache: dict[Any, torch.Tensor] = {}
-        self.hidden: list[torch.Tensor | None] | None = None
+        self.hidden: list[torch.Tensor] | None = None  # per layer, what masked replay lets each row see
         self.seen = [0] * slots  # per slot, tokens fed so far
+
+    @property
+    def kv_layers(self) -> list[CacheLayer]:
+        """The decoder layers, as built here (transformers types ``layers`` as any of its own layer kinds)."""
+        return cast("list[CacheLayer]", self.layers)
+
+    @property
+    def allocated(self) -> Entries:
+        """The entries; they exist from the first layer's write on, once the shapes are known (``allocate``)."""
+        assert self.entries is not None, "the cache allocates its entries on its first write"
+        return self.entries
 
     # -- allocation --------------------------------------------------------------------------------------
     def _capacity(self, layer: int, heads: int) -> int:
         return max(plans[layer].rows_capacity(heads, self.role, self.policy_of(layer)) for plans in self.plan_sets)
 
     def policy_of(self, layer: int) -> Policy:
-        return self.layers[layer].policy
+        return self.kv_layers[layer].policy
 
     def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype) -> None:
         """Buffers for every layer, from the shapes of one layer's keys and values."""
@@ -88,7 +99,7 @@ class KVCache(Cache):
         history = max(self.policy_of(l).history for l in range(len(self.layers)))
         self.entries = Entries(len(self.layers), self.slots, heads, max(caps), columns, history, self.device)
         self.shapes = (heads, k_dim, v_dim, dtype)
-        for layer, cap in zip(self.layers, caps):
+        for layer, cap in zip(self.kv_layers, caps):
             layer.attach(KVStore(self.slots * heads, cap, k_dim, v_dim, dtype, self.device, layer.policy.quantize))
         e = self.entries
         head = torch.arange(e.layers * e.rows, device=self.device)
@@ -134,22 +145,23 @@ class KVCache(Cache):
     def _rows(self, lo: int, hi: int) -> torch.Tensor:
         key = ("rows", lo, hi)
         if key not in self._cache:
-            h = self.entries.heads
+            h = self.allocated.heads
             self._cache[key] = torch.arange(lo * h, hi * h, device=self.device)
         return self._cache[key]
 
-    def write(self, l: int, key_states: torch.Tensor, value_states: torch.Tensor):
+    def write(self, l: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``l``'s new entries; returns the step's keys and values [slots, heads, n, D]."""
         b, h, q, _ = key_states.shape
         if self.entries is None:
             self.allocate(h, key_states.shape[-1], value_states.shape[-1], key_states.dtype)
+            assert self._pending is not None, "a step's first layer writes the positions begin_step set"
             self.query_positions = self._pending.repeat_interleave(h, dim=0)
         if (h, key_states.shape[-1], value_states.shape[-1]) != self.shapes[:3]:
             raise ValueError(
                 f"layer {l} has {h} KV heads of {key_states.shape[-1]} dims, unlike layer 0: kvbench's "
                 "cache needs every layer alike"
             )
-        e, layer = self.entries, self.layers[l]
+        e, layer = self.allocated, self.kv_layers[l]
         if self._pending is not None:
             self.lengths_before = e.lengths[:, e.row_range(self.lo, self.hi)].clone() if self.rotaries else None
             self.slots_new, self.spans, self.dense = e.insert(self.lo, self.hi, self._pending)
@@ -167,8 +179,9 @@ class KVCache(Cache):
         rr = e.row_range(self.lo, self.hi)
         past = n if q == 1 else n - q
         visible = None if self.dense[l] else e.occupied[l, rr, :past]
-        if self.hidden is not None and self.hidden[l] is not None:
-            by_slot = self.hidden[l].gather(1, e.positions[l, rr, :past].clamp_min(0))
+        hidden = None if self.hidden is None else self.hidden[l]
+        if hidden is not None:
+            by_slot = hidden.gather(1, e.positions[l, rr, :past].clamp_min(0))
             visible = by_slot & e.occupied[l, rr, :past]
         layer.begin_step(n, past, visible, e.positions[l, rr, :n])
         if layer.rotary is not None:
@@ -177,7 +190,8 @@ class KVCache(Cache):
 
     def reindexed_positions(self, l: int, n: int) -> torch.Tensor:
         """Under reindex, where each slot's key sits: the row's entries, in order, end just before its new ones."""
-        e = self.entries
+        e = self.allocated
+        assert self.lengths_before is not None, "write keeps the lengths before the step under reindex"
         rr = e.row_range(self.lo, self.hi)
         order = e.order[l, rr, :n]
         r = order.shape[0]
@@ -191,19 +205,20 @@ class KVCache(Cache):
     def write_features(self, l: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Write-time features (e.g. value norms) of layer ``l``'s entries at (``rows`` [m], ``slots`` [m]), from
         them as stored."""
-        layer = self.layers[l]
+        layer = self.kv_layers[l]
         keys, values = layer.store.gather(rows, slots.unsqueeze(1))
         for name, value in layer.policy.features(keys, values).items():
-            self.entries.write_column(name, l, rows, slots, value)
+            self.allocated.write_column(name, l, rows, slots, value)
 
     def after_attention(self, l: int, q: int, stats: dict[str, torch.Tensor]) -> None:
         """Fold the layer's statistics over its step keys (slots ``0:n``) into its rows."""
         if not stats:
             return
-        e, layer = self.entries, self.layers[l]
+        e, layer = self.allocated, self.kv_layers[l]
         rr = e.row_range(self.lo, self.hi)
         for name, value in stats.items():
             if name in e.columns:
+                assert e.table is not None, "entries with columns keep a table"
                 column = e.table[l, rr, : value.shape[-1], e.columns.index(name)]
                 if STATISTICS[name].fold == "replace":
                     column.copy_(value)
@@ -221,7 +236,7 @@ class KVCache(Cache):
                 e.log.append(flat, logged, stats["qlog_nvis"], places, [])
 
     def _wrapped(self, w: int) -> list[int]:
-        h = self.entries.heads
+        h = self.allocated.heads
         return [s * h + i for s, p in enumerate(self.host_positions) if p[0] % w == w - 1 for i in range(h)]
 
     def end_step(self) -> None:
@@ -237,16 +252,15 @@ class KVCache(Cache):
         """Slot ``src`` of ``source`` (this cache or a prompt's) becomes slot ``dst`` here."""
         if self.entries is None:
             self.allocate(*source.shapes)
-        self.entries.copy_slot(source.entries, src, dst)
-        for mine, theirs, n in zip(self.layers, source.layers, source.entries.spans):
+        mine_e, theirs_e = self.allocated, source.allocated
+        mine_e.copy_slot(theirs_e, src, dst)
+        for mine, theirs, n in zip(self.kv_layers, source.kv_layers, theirs_e.spans):
             if n > mine.store.capacity:
                 raise RuntimeError(
                     f"layer {mine.layer_idx}: a sequence using {n} slots does not fit rows of "
                     f"capacity {mine.store.capacity}"
                 )
-            mine.store.copy_rows(
-                theirs.store, source.entries.row_range(src, src + 1), self.entries.row_range(dst, dst + 1), n
-            )
+            mine.store.copy_rows(theirs.store, theirs_e.row_range(src, src + 1), mine_e.row_range(dst, dst + 1), n)
         for l in range(len(self.layers)):
             self.budgets[l][dst] = source.budgets[l][src]
         self.seen[dst] = source.seen[src]
@@ -256,21 +270,22 @@ class KVCache(Cache):
             return CacheStats([0.0] * len(self.layers), 0, 0, [0] * len(self.layers))
         e = self.entries
         counts = e.lengths[:, e.row_range(slot, slot + 1)].sum(dim=1).tolist()
-        resident = [c * layer.store.row_bytes() for c, layer in zip(counts, self.layers)]
+        resident = [c * layer.store.row_bytes() for c, layer in zip(counts, self.kv_layers)]
         return CacheStats(
             kept_per_layer=[c / e.heads for c in counts],
             resident_bytes=sum(resident),
-            capacity_bytes=sum(layer.store.capacity_bytes() for layer in self.layers) // self.slots,
+            capacity_bytes=sum(layer.store.capacity_bytes() for layer in self.kv_layers) // self.slots,
             resident_per_layer=resident,
         )
 
     def resident_by_slot(self, lo: int, hi: int) -> list[int]:
         """Resident bytes of each of slots ``lo:hi``."""
-        e = self.entries
+        e = self.allocated
         counts = e.lengths[:, e.row_range(lo, hi)].view(e.layers, hi - lo, e.heads).sum(dim=2)
-        row_bytes = torch.tensor([layer.store.row_bytes() for layer in self.layers], device=self.device)
+        row_bytes = torch.tensor([layer.store.row_bytes() for layer in self.kv_layers], device=self.device)
         return (counts * row_bytes.unsqueeze(1)).sum(dim=0).tolist()
 
     def kept_positions(self, slot: int = 0) -> list[torch.Tensor]:
         """Per layer, the absolute positions each KV head of the slot holds, [heads, kept]."""
-        return [self.entries.kept_positions(l, slot) for l in range(len(self.layers))]
+        e = self.allocated
+        return [e.kept_positions(l, slot) for l in range(len(self.layers))]

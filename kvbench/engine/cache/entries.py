@@ -55,15 +55,19 @@ class Entries:
         at = (layer * self.rows + rows) * self.capacity + slots
         return at * len(self.columns) + self.columns.index(name)
 
+    def _table(self) -> torch.Tensor:
+        assert self.table is not None, "only a policy with columns writes them"
+        return self.table
+
     def write_column(
         self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor
     ) -> None:
-        self.table.view(-1)[self._column_at(name, layer, rows, slots)] = values.reshape(-1).to(torch.float32)
+        self._table().view(-1)[self._column_at(name, layer, rows, slots)] = values.reshape(-1).to(torch.float32)
 
     def add_to_column(
         self, name: str, layer: int, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor
     ) -> None:
-        self.table.view(-1).index_add_(
+        self._table().view(-1).index_add_(
             0, self._column_at(name, layer, rows, slots), values.reshape(-1).to(torch.float32)
         )
 
@@ -197,9 +201,11 @@ class Entries:
             (self.table, source.table, 0.0),
         ):
             if mine is not None:
+                assert theirs is not None, "caches of one run keep the same columns"
                 mine[:, b, :n] = theirs[:, a, :n]
                 mine[:, b, n:] = empty
         if self.log is not None:
+            assert source.log is not None, "caches of one run keep the same query log"
             for l in range(self.layers):
                 fa = slice(l * source.rows + a.start, l * source.rows + a.stop)
                 fb = slice(l * self.rows + b.start, l * self.rows + b.stop)

@@ -10,11 +10,13 @@ so every score sees each row as it would see it alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kvbench.engine.cache.entries import Entries
+from kvbench.engine.cache.store import KVStore
 from kvbench.policies.base import Policy
 from kvbench.policies.merge import merge_evicted
 from kvbench.policies.state import Stats, TokenState
@@ -50,7 +52,7 @@ def group_state(
     group: Group,
     step: StepRows,
     lengths: torch.Tensor | None,
-    stores: list,
+    stores: list[KVStore],
 ) -> TokenState:
     """The group's rows as one state of ``n`` entries each (``lengths`` [r]: per-head counts, padded)."""
     policy = group.policy
@@ -64,6 +66,7 @@ def group_state(
     eager: dict[str, torch.Tensor] = {}
     columns = [c for c in entries.columns if c in policy.needs or c in policy.feature_names]
     if columns:
+        assert entries.table is not None, "entries keep a table wherever a policy has columns"
         table = entries.gather_rows(entries.table, rows)
         got = table.gather(1, order.unsqueeze(-1).expand(-1, -1, table.shape[-1]))
         for name in columns:
@@ -102,7 +105,9 @@ def group_state(
     )
 
 
-def load_kv(entries: Entries, rows: torch.Tensor | None, order: torch.Tensor, stores: list) -> tuple:
+def load_kv(
+    entries: Entries, rows: torch.Tensor | None, order: torch.Tensor, stores: list[KVStore]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's keys and values in sequence order, [r, n, D] (each layer's part from its own store)."""
     flat = torch.arange(entries.layers * entries.rows, device=order.device) if rows is None else rows
     layer_of = (flat // entries.rows).tolist()
@@ -126,8 +131,8 @@ def evict_group(
     group: Group,
     step: StepRows,
     per_head: bool,
-    stores: list,
-    features,
+    stores: list[KVStore],
+    features: Callable[[int, torch.Tensor, torch.Tensor], None],
 ) -> None:
     """Score the group once and free what it does not keep (merging first where the policy merges)."""
     policy, budget = group.policy, group.budget

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -31,7 +31,7 @@ class CacheLayer(CacheLayerMixin):
         self.cache = weakref.proxy(cache)
         self.layer_idx, self.plan, self.capacity = layer_idx, plan, 0
         self.policy: Policy = plan.policy or cache.policy
-        self.store: KVStore | None = None
+        self._store: KVStore | None = None
         # Under positions=reindex: this layer's RoPE (layers may differ: Gemma 3's local and global tables).
         self.rotary = rotary if rotary is not None and rotary.rot_dim > 0 else None
         # The step's keys: how many (slots 0:n), how many precede the step's own (q > 1), which are visible
@@ -42,7 +42,13 @@ class CacheLayer(CacheLayerMixin):
 
     def attach(self, store: KVStore) -> None:
         """The layer's K/V buffers, allocated by the cache once it knows their shapes."""
-        self.store, self.capacity, self.is_initialized = store, store.capacity, True
+        self._store, self.capacity, self.is_initialized = store, store.capacity, True
+
+    @property
+    def store(self) -> KVStore:
+        """The layer's K/V buffers; they exist from the cache's first write on (``attach``)."""
+        assert self._store is not None, "the cache attaches every layer's store on its first write"
+        return self._store
 
     def begin_step(self, n: int, past: int, visible: torch.Tensor | None, key_positions: torch.Tensor) -> None:
         """This step's keys: slots ``0:n``, of which ``past`` precede the step's own (all of them in a decode
@@ -52,7 +58,9 @@ class CacheLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.write(self.layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -78,6 +86,7 @@ class CacheLayer(CacheLayerMixin):
         cache = self.cache
         queries = cache.query_positions  # [rows, q]
         keys = self.key_positions
+        assert keys is not None, "begin_step sets the step's key positions before the layer attends"
         held = (
             keys
             if self.visible is None or self.visible.shape[1] != keys.shape[1]

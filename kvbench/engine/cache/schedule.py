@@ -21,14 +21,14 @@ if TYPE_CHECKING:
 def end_step(cache: KVCache) -> None:
     """Evict every row over its budget and trim sliding layers to their window; a prompt chunk's evicted
     layers are then densified."""
-    e = cache.entries
+    e = cache.allocated
     rr = e.row_range(cache.lo, cache.hi)
     lengths = e.lengths[:, rr].tolist()
     q = len(cache.host_positions[0])
     groups: dict[tuple, evicting.Group] = {}
     trims: dict[tuple, list[tuple[int, int]]] = {}
     ragged_trims: list[int] = []
-    for l, layer in enumerate(cache.layers):
+    for l, layer in enumerate(cache.kv_layers):
         policy, hold = layer.policy, layer.plan.hold
         per_head = policy.allocation.per_head
         for s in range(cache.lo, cache.hi):
@@ -58,13 +58,13 @@ def end_step(cache: KVCache) -> None:
             else max(max(lengths[l][(s - cache.lo) * e.heads : (s - cache.lo + 1) * e.heads]) for l, s in group.units)
         )
         evicting.evict_group(
-            e, rows, n, group, step, per_head, [layer.store for layer in cache.layers], cache.write_features
+            e, rows, n, group, step, per_head, [layer.store for layer in cache.kv_layers], cache.write_features
         )
         changed.update(l for l, _ in group.units)
     if ragged_trims or any(g.policy.allocation.per_head for g in groups.values()):
         ragged = sorted(
             set(ragged_trims)
-            | {l for g in groups.values() for l, _ in g.units if cache.layers[l].plan.hold is not None}
+            | {l for g in groups.values() for l, _ in g.units if cache.kv_layers[l].plan.hold is not None}
         )
         for l in ragged:
             trim_ragged(cache, l)
@@ -77,32 +77,33 @@ def end_step(cache: KVCache) -> None:
         changed.update(l for l, _ in units)
     if q > 1:
         for l in sorted(changed):
-            e.densify(l, cache.lo, cache.hi, cache.layers[l].store)
+            e.densify(l, cache.lo, cache.hi, cache.kv_layers[l].store)
 
 
 def group_key(cache: KVCache, l: int, s: int, budget: int, size: int) -> tuple:
     """What a (layer, sequence) unit's eviction depends on: units of one key are scored as one state. Merging
     units stay within their layer (merged keys and values are written back to one layer's store)."""
-    layer = cache.layers[l]
+    layer = cache.kv_layers[l]
     return (id(layer.policy), layer.plan.window, size, budget, l if layer.policy.merge else None)
 
 
 def layer_state(cache: KVCache, l: int, slot: int = 0) -> TokenState:
     """What layer ``l`` of the sequence in ``slot`` holds, as its policy ranks it."""
-    e, layer = cache.entries, cache.layers[l]
+    e, layer = cache.allocated, cache.kv_layers[l]
     rows = torch.tensor(evicting.unit_rows(e, [(l, slot)]), device=cache.device)
     lengths = e.lengths.view(-1).index_select(0, rows)
     n = int(lengths.max())
     ragged = layer.policy.allocation.per_head or bool((lengths != n).any())
     group = evicting.Group(layer.policy, cache.budgets[l][slot] or n, layer.plan.window)
     return evicting.group_state(
-        e, rows, n, group, step_rows(cache), lengths if ragged else None, [x.store for x in cache.layers]
+        e, rows, n, group, step_rows(cache), lengths if ragged else None, [x.store for x in cache.kv_layers]
     )
 
 
 def trim_ragged(cache: KVCache, l: int) -> None:
     """A per-head row of a sliding layer keeps at most its newest ``hold`` entries."""
-    e, hold = cache.entries, cache.layers[l].plan.hold
+    e, hold = cache.allocated, cache.kv_layers[l].plan.hold
+    assert hold is not None, "only a sliding layer is trimmed"
     rr = e.row_range(cache.lo, cache.hi)
     lengths = e.lengths[l, rr]
     n = int(lengths.max())
@@ -115,7 +116,7 @@ def trim_ragged(cache: KVCache, l: int) -> None:
 
 
 def group_rows(cache: KVCache, units: list[tuple[int, int]]) -> torch.Tensor | None:
-    e = cache.entries
+    e = cache.allocated
     if len(units) == e.layers * e.slots:
         return None
     key = tuple(units)
@@ -125,6 +126,6 @@ def group_rows(cache: KVCache, units: list[tuple[int, int]]) -> torch.Tensor | N
 
 
 def step_rows(cache: KVCache) -> evicting.StepRows:
-    e = cache.entries
+    e = cache.allocated
     seen = torch.tensor(cache.seen, device=cache.device).repeat_interleave(e.heads).repeat(e.layers)
     return evicting.StepRows(seen.view(-1, 1), cache.row_keys, cache.phase, cache.seed)

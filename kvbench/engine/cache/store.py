@@ -34,7 +34,8 @@ class KVStore:
         store = dtype if quantizer is None else quantizer.storage_dtype
         self.k = torch.zeros(rows, capacity, k_dim, dtype=store, device=device)
         self.v = torch.zeros(rows, capacity, v_dim, dtype=store, device=device)
-        self.k_scale = self.v_scale = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
         if quantizer is not None:
             self.k_scale = torch.zeros(rows, capacity, 1, dtype=torch.float32, device=device)
             self.v_scale = torch.zeros(rows, capacity, 1, dtype=torch.float32, device=device)
@@ -53,25 +54,38 @@ class KVStore:
             if self.quantizer is None:
                 codes.view(-1, codes.shape[-1]).index_copy_(0, at, x.to(codes.dtype))
             else:
+                assert scales is not None, "a quantised store has scales"
                 c, s = self.quantizer.quantize(x)
                 codes.view(-1, codes.shape[-1]).index_copy_(0, at, c)
                 scales.view(-1, 1).index_copy_(0, at, s)
 
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-        return codes if self.quantizer is None else self.quantizer.dequantize(codes, scales, self.dtype)
+        if self.quantizer is None:
+            return codes
+        assert scales is not None, "a quantised store has scales"
+        return self.quantizer.dequantize(codes, scales, self.dtype)
 
     def read(self, lo: int, hi: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots ``0:n`` of rows ``lo:hi``, [r, n, D] (views of the buffers when plain)."""
-        return tuple(self._decode(c[lo:hi, :n], None if s is None else s[lo:hi, :n]) for c, s in self._pairs())
+
+        def part(codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+            return self._decode(codes[lo:hi, :n], None if scales is None else scales[lo:hi, :n])
+
+        (k, k_scale), (v, v_scale) = self._pairs()
+        return part(k, k_scale), part(v, v_scale)
 
     def gather(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries at ``slots`` [r, m] of rows ``rows`` [r]: [r, m, D] each."""
         at, shape = flat_slots(rows, slots, self.capacity), slots.shape
 
-        def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.view(-1, t.shape[-1]).index_select(0, at).view(*shape, t.shape[-1])
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.view(-1, t.shape[-1]).index_select(0, at).view(*shape, t.shape[-1])
 
-        return tuple(self._decode(take(c), take(s)) for c, s in self._pairs())
+        def part(codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+            return self._decode(take(codes), None if scales is None else take(scales))
+
+        (k, k_scale), (v, v_scale) = self._pairs()
+        return part(k, k_scale), part(v, v_scale)
 
     def reorder(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Row ``rows[i]``'s entries at ``slots[i]`` [r, m] move to its slots ``0:m``, in that order."""
