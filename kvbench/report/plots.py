@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
 import pandas as pd
-from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
@@ -26,6 +26,9 @@ FRONTIER = "pareto_frontier"
 PANEL_HEIGHT_IN = 1.75
 # Rough legend geometry at 7 pt: width of a handle plus padding, of one character, height of a row.
 LEGEND_HANDLE_IN, LEGEND_CHAR_IN, LEGEND_ROW_IN = 0.45, 0.055, 0.15
+# A line (Artist) or an error-bar container per policy: both make a legend entry; matplotlib's stubs accept
+# only the first.
+LegendHandles = dict[str, Any]
 
 
 def _grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | None) -> tuple[Figure, np.ndarray]:
@@ -38,9 +41,7 @@ def _grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | None)
     return fig, axes
 
 
-def _finish(
-    fig: Figure, axes: np.ndarray, models: list[str], xlabel: str, ylabel: str, handles: dict[str, Artist]
-) -> None:
+def _finish(fig: Figure, axes: np.ndarray, models: list[str], xlabel: str, ylabel: str, handles: LegendHandles) -> None:
     """Axis labels on the outer panels and one legend for the figure, in policy order."""
     for i, model in enumerate(models):
         axes[i, 0].set_ylabel(f"{model}\n{ylabel}" if len(models) > 1 else ylabel)
@@ -51,7 +52,7 @@ def _finish(
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.5")
     names = sort_policies(k for k in handles if k != FRONTIER) + ([FRONTIER] if FRONTIER in handles else [])
     if names:
-        labels = [handles[n].get_label() for n in names]
+        labels = [str(handles[n].get_label()) for n in names]
         column_in = LEGEND_HANDLE_IN + LEGEND_CHAR_IN * max(map(len, labels))
         ncols = max(1, min(len(names), int(fig.get_figwidth() // column_in)))
         fig.set_figheight(fig.get_figheight() + LEGEND_ROW_IN * -(-len(names) // ncols))
@@ -72,7 +73,7 @@ def _baseline_y(cells: pd.DataFrame) -> float:
     return float(np.average(cells["y"], weights=cells["n"])) if len(cells) else float("nan")
 
 
-def _draw_budget_panel(ax: Axes, panel: pd.DataFrame, handles: dict[str, Artist]) -> None:
+def _draw_budget_panel(ax: Axes, panel: pd.DataFrame, handles: LegendHandles) -> None:
     for policy in sort_policies(panel[POLICY]):
         style = policy_style(policy)
         cells = panel[panel[POLICY].eq(policy)].dropna(subset=["x", "y"]).sort_values("x")
@@ -109,7 +110,7 @@ def budget_figure(stats: pd.DataFrame, stage: str, ylabel: str, titles: Mapping[
     models, tasks = sorted(stats[MODEL].unique()), sorted(stats[TASK].unique())
     with matplotlib.rc_context(PAPER_RC):
         fig, axes = _grid(models, tasks, titles)
-        handles: dict[str, Artist] = {}
+        handles: LegendHandles = {}
         staged = stats[stats[STAGE].eq(stage)]
         for (i, model), (j, task) in ((m, t) for m in enumerate(models) for t in enumerate(tasks)):
             panel = staged[staged[MODEL].eq(model) & staged[TASK].eq(task)]
@@ -141,7 +142,7 @@ def pareto_figure(
     ).dropna(subset=["y", "cost"])
     with matplotlib.rc_context(PAPER_RC):
         fig, axes = _grid(models, tasks, titles)
-        handles: dict[str, Artist] = {}
+        handles: LegendHandles = {}
         for (i, model), (j, task) in ((m, t) for m in enumerate(models) for t in enumerate(tasks)):
             ax = axes[i, j]
             panel = points[points[MODEL].eq(model) & points[TASK].eq(task)]

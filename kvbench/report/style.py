@@ -20,7 +20,7 @@ SINGLE_COLUMN_IN = 3.3
 WIDE_IN = 6.9
 
 # Fonts of at least 7 pt once the figure is placed at its natural size in the paper.
-PAPER_RC: dict[str, Any] = {
+PAPER_RC: Any = {  # matplotlib rc names (its stubs type the keys as a Literal union)
     "font.size": 8,
     "axes.titlesize": 8,
     "axes.labelsize": 8,
