@@ -22,6 +22,7 @@ from typing import Any
 
 from kvbench.policies.allocation import ALLOCATIONS
 from kvbench.policies.base import Policy
+from kvbench.policies.profiled_allocation import Profiled
 from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scopes import SCOPES, Everything
 from kvbench.policies.scores import SCORES, Recency, SharedAcrossHeads
@@ -83,7 +84,7 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     if shared:
         score = SharedAcrossHeads(score)
     scope = _part(SCOPES, cfg.get("scope", "all"), "scope")
-    allocation = _part(ALLOCATIONS, cfg.get("allocation") or "uniform", "allocation")
+    allocation = _part(ALLOCATIONS | {"profiled": Profiled}, cfg.get("allocation") or "uniform", "allocation")
     if allocation.per_head and shared:
         raise ValueError("score.shared=true keeps one set per layer; it cannot combine with allocation=adaptive")
     return Policy(
