@@ -130,24 +130,25 @@ def _profile(
     coverage = torch.zeros(len(levels), hkv, dtype=torch.float64, device=device)
     age = torch.zeros(3, hkv, recorder.max_age, dtype=torch.float64, device=device)
     future = torch.zeros(hkv, prompt, dtype=torch.float64, device=device)
+    mean_row = torch.full((1, group), 1.0 / group, device=device)
     for start, end, lo in query_blocks(0, n, 0, n, hq, window):
         logits = softcapped(torch.matmul(queries[:, start:end], keys[:, lo:end].transpose(1, 2)), softcap)
         allowed = visibility(0, start, end, end, None, device, window, lo)[0]  # [rows, cols]
         probs = logits.masked_fill_(~allowed, float("-inf")).softmax(dim=-1)
-        probs = probs.view(hkv, group, end - start, end - lo).mean(dim=1)  # GQA: the group's mean
+        if group > 1:  # GQA: the group's mean, as a product (faster on CPU than a mean over the middle axis)
+            probs = (mean_row @ probs.view(hkv, group, -1)).view(hkv, end - start, end - lo)
         split = min(max(prompt - start, 0), end - start)  # rows before it are the prompt's queries
         if split > 0:
             rows = probs[:, :split]
             q_pos = torch.arange(start, start + split, device=device)
             k_pos = torch.arange(lo, end, device=device)
             seen = allowed[:split]
+            values, seen_age = measures.by_age(rows, q_pos, k_pos, seen, recorder.max_age)
             sums["entropy"] += measures.entropy(rows).sum(dim=-1)
             sums["sink"] += measures.mass_on(rows, measures.sink_keys(k_pos, recorder.n_sink)).sum(dim=-1)
-            sums["recent"] += measures.mass_on(rows, measures.recent_keys(q_pos, k_pos, recorder.n_recent)).sum(dim=-1)
-            visible = seen.sum(dim=-1)
-            for i, level in enumerate(levels):
-                coverage[i] += measures.coverage_fraction(rows, visible, level).sum(dim=-1)
-            age += measures.age_moments(rows, q_pos, k_pos, seen, recorder.max_age)
+            sums["recent"] += measures.recent_mass(values, recorder.n_recent).sum(dim=-1)
+            coverage += measures.coverage_fractions(rows, seen.sum(dim=-1), levels).sum(dim=-1)
+            age += measures.age_moments(values, seen_age)
         if split < end - start and lo < prompt:
             future[:, lo:] += probs[:, split:, : prompt - lo].sum(dim=1)
     return LayerProfile(
@@ -191,6 +192,8 @@ def record(
     """Run prompt + continuation through ``model`` once; ``on_layer``'s result per layer index."""
     if not prompt_ids or not continuation_ids:
         raise ValueError("profiling needs a non-empty prompt and a non-empty continuation")
+    if not 1 <= n_recent <= max_age:
+        raise ValueError(f"n_recent={n_recent} must be between 1 and max_age={max_age}")
     recorder = Recorder(len(prompt_ids), layer_windows(model.config), history, max_age, n_sink, n_recent, on_layer)
     ids = torch.tensor([prompt_ids + continuation_ids], device=next(model.parameters()).device)
     with profiling_attention(model):

@@ -7,6 +7,8 @@ value per (head, query) so that a caller can sum them over blocks of queries and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 N_SINK = 4
@@ -16,8 +18,7 @@ COVERAGE_LEVELS = (0.9, 0.95)
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats of each query's distribution, [H, q] (0 · log 0 = 0)."""
-    logs = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))
-    return -(probs * logs).sum(dim=-1)
+    return -torch.special.xlogy(probs, probs).sum(dim=-1)
 
 
 def mass_on(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -30,44 +31,49 @@ def sink_keys(key_positions: torch.Tensor, n_sink: int = N_SINK) -> torch.Tensor
     return key_positions < n_sink
 
 
-def recent_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, n_recent: int = N_RECENT) -> torch.Tensor:
-    """Bool [q, n]: the ``n_recent`` newest tokens each query sees, itself included."""
-    age = query_positions.unsqueeze(-1) - key_positions.unsqueeze(0)
-    return (age >= 0) & (age < n_recent)
-
-
-def coverage_fraction(probs: torch.Tensor, visible: torch.Tensor, level: float) -> torch.Tensor:
-    """The fraction of the keys a query sees that it needs, taken from its largest probability down, to cover
-    ``level`` of its mass, [H, q]. ``visible``: keys seen per query, [q] or [H, q]."""
-    ranked = probs.sort(dim=-1, descending=True).values
-    covered = ranked.cumsum(dim=-1)
+def coverage_fractions(probs: torch.Tensor, visible: torch.Tensor, levels: Sequence[float]) -> torch.Tensor:
+    """Per level, the fraction of the keys a query sees that it needs, taken from its largest probability down,
+    to cover that share of its mass, [levels, H, q]. ``visible``: keys seen per query, [q] or [H, q]."""
+    covered = probs.sort(dim=-1, descending=True).values.cumsum_(dim=-1)  # ascending along each row
     total = covered[..., -1:]
-    needed = (covered < level * total - 1e-6).sum(dim=-1) + 1
-    return needed.to(probs.dtype) / visible.to(probs.dtype).clamp_min(1.0)
+    seen = visible.to(probs.dtype).clamp_min(1.0)
+    out = []
+    for level in levels:  # keys before the first running sum that reaches the level, plus that one
+        needed = torch.searchsorted(covered, (level * total - 1e-6).contiguous()).squeeze(-1) + 1
+        out.append(needed.clamp_max(covered.shape[-1]).to(probs.dtype) / seen)
+    return torch.stack(out)
 
 
-def age_moments(
-    probs: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, visible: torch.Tensor, max_age: int
-) -> torch.Tensor:
-    """Per head and age (query position - key position, below ``max_age``): the count, sum and sum of squares of
-    the probabilities tokens of that age received, [3, H, max_age]. Their moments give RoCo's robustness curve:
-    the spread of the attention a token receives as it ages. ``visible``: bool [q, n] or [H, q, n]."""
-    heads = probs.shape[0]
-    age = query_positions.unsqueeze(-1) - key_positions.unsqueeze(0)
-    keep = (visible & (age < max_age)).expand(probs.shape)
-    slot = (torch.arange(heads, device=probs.device).view(-1, 1, 1) * max_age + age.clamp(0, max_age - 1)).expand(
-        probs.shape
-    )[keep]
-    values = probs[keep].to(torch.float64)
-    size = heads * max_age
-    out = torch.stack(
-        [
-            torch.bincount(slot, minlength=size).to(torch.float64),
-            torch.bincount(slot, weights=values, minlength=size),
-            torch.bincount(slot, weights=values.square(), minlength=size),
-        ]
-    )
-    return out.view(3, heads, max_age)
+def by_age(
+    probs: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, visible: torch.Tensor, ages: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's probabilities by the age of the key (query position - key position, 0 to ``ages`` - 1),
+    [H, q, ages], and whether the query saw a key of that age, bool [q, ages]. Keys are consecutive positions
+    from ``key_positions[0]``; ``visible`` bool [q, n]."""
+    first = int(key_positions[0])
+    index = query_positions.unsqueeze(-1) - first - torch.arange(ages, device=probs.device)  # [q, ages]
+    inside = (index >= 0) & (index < probs.shape[-1])
+    index = index.clamp(0, probs.shape[-1] - 1)
+    seen = visible.gather(-1, index) & inside
+    values = probs.gather(-1, index.expand(probs.shape[0], -1, -1)) * seen
+    return values, seen
+
+
+def recent_mass(values_by_age: torch.Tensor, n_recent: int = N_RECENT) -> torch.Tensor:
+    """The mass each query puts on its ``n_recent`` newest keys, itself included, [H, q] (from ``by_age``)."""
+    return values_by_age[..., :n_recent].sum(dim=-1)
+
+
+def age_moments(values_by_age: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Per head and age: the count, sum and sum of squares of the probabilities tokens of that age received,
+    [3, H, ages] (from ``by_age``). Their moments give RoCo's robustness curve: the spread of the attention a
+    token receives as it ages."""
+    ones = torch.ones(1, values_by_age.shape[1], dtype=values_by_age.dtype, device=values_by_age.device)
+    count = (ones @ seen.to(values_by_age.dtype)).to(torch.float64).expand(values_by_age.shape[0], -1)
+    # sums over queries as products with a row of ones: much faster on CPU than a reduction over a middle axis
+    total = (ones @ values_by_age).squeeze(1).to(torch.float64)
+    squares = (ones @ values_by_age.square()).squeeze(1).to(torch.float64)
+    return torch.stack([count, total, squares])
 
 
 def std_from_moments(moments: torch.Tensor) -> torch.Tensor:

@@ -43,32 +43,44 @@ def test_entropy_matches_numpy():
     assert np.isclose(measures.entropy(as_torch(ROWS))[0, 3].item(), -(6 * 0.1 * np.log(0.1) + 0.4 * np.log(0.4)))
 
 
+def by_age(ages: int = 5):
+    return measures.by_age(as_torch(ROWS), torch.tensor(Q_POS), torch.tensor(K_POS), torch.tensor(VISIBLE), ages)
+
+
 def test_sink_and_recent_mass_by_hand():
     sink = measures.mass_on(as_torch(ROWS), measures.sink_keys(torch.tensor(K_POS), n_sink=2))
     assert np.allclose(sink.numpy(), [[0.6, 0.5, 0.6, 0.2], [0.5, 0.0, 0.4, 0.1]])
-    recent = measures.mass_on(as_torch(ROWS), measures.recent_keys(torch.tensor(Q_POS), torch.tensor(K_POS), 2))
-    # the query itself and the token before it
+    recent = measures.recent_mass(by_age()[0], 2)  # the query itself and the token before it
     assert np.allclose(recent.numpy(), [[0.4, 0.25, 0.4, 0.5], [0.5, 1.0, 0.3, 0.5]])
 
 
+def test_by_age_reads_the_diagonals():
+    values, seen = by_age(9)
+    for i, q in enumerate(Q_POS):
+        for age in range(9):
+            assert bool(seen[i, age]) == (0 <= q - age)
+            assert values[:, i, age].tolist() == (ROWS[:, i, q - age].tolist() if q - age >= 0 else [0.0, 0.0])
+
+
 def test_coverage_fraction_matches_numpy():
-    visible = torch.tensor(VISIBLE.sum(-1))
-    for level in (0.5, 0.9, 0.95):
-        got = measures.coverage_fraction(as_torch(ROWS), visible, level).numpy()
+    levels = (0.5, 0.9, 0.95)
+    got = measures.coverage_fractions(as_torch(ROWS), torch.tensor(VISIBLE.sum(-1)), levels).numpy()
+    for i, level in enumerate(levels):
         ranked = -np.sort(-ROWS, axis=-1)
         needed = (np.cumsum(ranked, axis=-1) < level - 1e-9).sum(-1) + 1
-        assert np.allclose(got, needed / VISIBLE.sum(-1))
+        assert np.allclose(got[i], needed / VISIBLE.sum(-1))
     # by hand: head 0, query 0 needs 0.5 + 0.3 + 0.1 to reach 0.9: 3 of its 4 keys
-    assert measures.coverage_fraction(as_torch(ROWS), visible, 0.9)[0, 0] == 0.75
+    assert got[1, 0, 0] == 0.75
 
 
 def test_age_moments_match_numpy():
-    moments = measures.age_moments(as_torch(ROWS), torch.tensor(Q_POS), torch.tensor(K_POS), torch.tensor(VISIBLE), 5)
+    moments = measures.age_moments(*by_age())
     std = measures.std_from_moments(moments).numpy()
     for h in range(2):
         for age in range(5):
             values = [ROWS[h, i, k] for i, q in enumerate(Q_POS) for k in K_POS if q - k == age]
             assert moments[0, h, age] == len(values)
+            assert np.isclose(moments[1, h, age].item(), sum(values))
             assert np.isclose(std[h, age], np.std(values))
 
 
