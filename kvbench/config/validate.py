@@ -39,8 +39,8 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
         allowed = [s.value for s in Stage if s not in unsupported]
         raise ConfigError(f"policy={policy.name} cannot run in stage={run.stage}; use stage in {allowed}")
     model = plain(run.model)
-    _check_model(model)
-    _check_task(task_data)
+    check_model(model)
+    check_task(task_data)
     tracking = plain(run.tracking)
     _check_tracking(tracking)
     return RunSpec(
@@ -120,7 +120,7 @@ def _check_pretrained_path(model: dict[str, Any]) -> None:
         raise ConfigError("model.source=pretrained needs model.name_or_path=<hub id or local directory>")
 
 
-def _check_model(model: dict[str, Any]) -> None:
+def check_model(model: dict[str, Any]) -> None:
     """Source, path and device, checked without touching weights (or CUDA beyond asking if it is there)."""
     from kvbench.embedded import embedded_package_error
     from kvbench.models import local_path_problem
@@ -151,7 +151,7 @@ def _check_tracking(tracking: dict[str, Any]) -> None:
         raise ConfigError(problem)
 
 
-def _check_task(task_cfg: dict[str, Any]) -> None:
+def check_task(task_cfg: dict[str, Any]) -> None:
     """Build the task (cheap: no model) so unknown names, missing files and unreadable prompts fail now."""
     from kvbench.tasks.registry import build_task
 

@@ -1,0 +1,95 @@
+"""Oracle consistency: how much of the continuation's attention on the prompt falls on the set a score (or a full
+policy) would keep at the end of the prompt, against the best set of the same size.
+
+The kept set is the policy's own: its score, scope and allocation run on a ``TokenState`` built from the engine's
+statistics over the prompt (a prompt encoded in one chunk, nothing evicted before its end), exactly the state a
+``stage=prefill`` run evicts from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.engine.sequence import resolve_budget
+from kvbench.policies.base import Policy
+from kvbench.policies.registry import build_policy
+from kvbench.policies.state import TokenState
+from kvbench.profile.collect import PromptEnd
+from kvbench.profile.measures import attention_recall, oracle_recall
+
+# Every score, alone (scope ``all``, uniform allocation): the consistency of the score itself.
+SCORE_KINDS = ("recency", "random", "accumulated", "mean", "last", "hits", "snapkv", "key_norm", "value_aware")
+ORACLE = "oracle"
+
+
+def bare_scores(kinds: Sequence[str] = SCORE_KINDS) -> dict[str, Policy]:
+    """One policy per score kind, with nothing protected and every layer at the budget."""
+    return {kind: build_policy({"name": kind, "score": kind, "scope": "all"}) for kind in kinds}
+
+
+@dataclass
+class Budgets:
+    """Per candidate, per budget, each layer's token budget (None: the layer is left alone by the policy)."""
+
+    asked: list[float | int]
+    tokens: list[int]
+    per_layer: dict[str, list[list[int]]]
+
+
+def layer_budgets(
+    policies: Mapping[str, Policy], asked: Sequence[float | int], prompt: int, windows: Sequence[int | None]
+) -> Budgets:
+    """Each policy's split of each budget over the full-attention layers (a sliding layer gets the plain
+    budget: the recall there is reported but not part of the averages)."""
+    tokens = [resolve_budget(b, prompt) for b in asked]
+    full = [i for i, w in enumerate(windows) if w is None] or list(range(len(windows)))
+    per_layer: dict[str, list[list[int]]] = {}
+    for name, policy in policies.items():
+        rows = []
+        for b in tokens:
+            split = dict(zip(full, policy.layer_budgets(b, len(full), prompt)))
+            rows.append([split.get(i, b) for i in range(len(windows))])
+        per_layer[name] = rows
+    return Budgets(list(asked), tokens, per_layer)
+
+
+def prompt_state(end: PromptEnd, policy: Policy, layer: int, seed: int = 0) -> TokenState:
+    """The layer's state at the end of the prompt as the policy's parts would read it."""
+    heads, length = end.keys.shape[0], end.keys.shape[1]
+    positions = torch.arange(length, device=end.keys.device).expand(heads, length)
+    stats = {name: end.stats[name] for name in ("acc", "sumsq", "last")}
+    stats["count"] = (length - positions).to(torch.float32)
+    history = policy.history
+    if history:
+        rows, nvis = end.stats["qlog"][:, -history:], end.stats["qlog_nvis"][:, -history:]
+        stats["qlog"] = policy.score.log_rows(rows, nvis)
+    stats.update(policy.features(end.keys, end.values))
+    return TokenState(
+        keys=end.keys,
+        values=end.values,
+        positions=positions,
+        stats=stats,
+        phase="prefill",
+        window=end.window,
+        seen=length,
+        seed=seed,
+        row_keys=(layer * heads + torch.arange(heads, device=end.keys.device)).unsqueeze(1),
+    )
+
+
+def layer_recall(
+    layer: int, future: torch.Tensor, end: PromptEnd, policies: Mapping[str, Policy], budgets: Budgets, seed: int = 0
+) -> dict[str, list[float]]:
+    """Per candidate (and ``oracle``), the layer's recall at each budget, averaged over its KV heads."""
+    future = future.to(torch.float32)
+    out = {ORACLE: [float(oracle_recall(future, b).mean()) for b in budgets.tokens]}
+    for name, policy in policies.items():
+        state = prompt_state(end, policy, layer, seed)
+        out[name] = [
+            float(attention_recall(future, policy.keep_mask(state, split[layer])).mean())
+            for split in budgets.per_layer[name]
+        ]
+    return out
