@@ -11,7 +11,9 @@ time, never of the batch.
 
 from __future__ import annotations
 
+import ctypes
 import inspect
+import sys
 from collections import deque
 from typing import Any
 
@@ -28,6 +30,21 @@ from kvbench.families import check_supported, layer_windows
 from kvbench.policies.base import Policy
 
 STAGES = ("prefill", "decode", "both")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+LARGE_BLOCK_BYTES = 128 << 10
+
+
+def map_large_blocks_alone() -> None:
+    """glibc: every block of ``LARGE_BLOCK_BYTES`` or more gets a mapping of its own, handed back to the system
+    when freed. By default glibc raises that threshold whenever such a block is freed (up to 32 MiB), and from
+    then on a prompt's freed working memory (its cache, its activations, the blocked pass's buffers) stays in
+    the heap of the thread that used it: a run's resident set held tens of MiB more than its live tensors
+    (``docs/perf/batch.md``). Setting the threshold once fixes it for the process; elsewhere nothing to do."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES)
+        except (OSError, AttributeError):
+            pass
 
 
 def cache_argument(model: Any) -> str:
@@ -84,6 +101,8 @@ class BatchRun:
         self.decode_evicts = stage in ("decode", "both")
         self.sequences = [self._sequence(i, r, budget, stride) for i, r in enumerate(requests)]
         self.cache_kw = cache_argument(model)
+        if self.device.type == "cpu":
+            map_large_blocks_alone()
         self.fused = fused_forward_for(model, fused)
         if self.fused is not None:
             self.fused.pack(batch_size)
