@@ -3,6 +3,7 @@
     python scripts/bench_batch.py                    # the README's table (about 25 minutes on 2 CPU cores)
     python scripts/bench_batch.py --model tiny-llama --context 128 --new-tokens 8 --rounds 1 --out /tmp/b  # seconds
     python scripts/bench_batch.py --device cuda --out /tmp/b    # the same on a GPU
+    python scripts/bench_batch.py --parts capacity   # one part; the others keep their figures from the JSON
 
 Every compared figure comes from runs interleaved in one process, the order rotating round by round, so a slow
 spell of the machine lands on all of them alike; a figure is the median over ``--rounds``.
@@ -38,6 +39,7 @@ from bench_engine import MODELS, policy  # noqa: E402
 
 STATS = ["h2o", "roco", "tova", "scissorhands", "mean_window", "accumulated_robust", "vatp"]
 CAPACITY = ["window", "h2o", "roco"]
+PARTS = ("throughput", "steps", "capacity")
 
 
 def prompts(vocab: int, n: int, count: int, new: int) -> list[Request]:
@@ -91,6 +93,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("docs/perf"))
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: CUDA when torch sees it)")
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="parts to run; a part not run keeps its figures from the JSON already in --out (if any)",
+    )
     args = ap.parse_args()
     lm = load_model(args.model, **MODELS[args.model], dtype="float32", device=args.device)
     model = lm.model
@@ -98,7 +107,8 @@ def main() -> None:
     model.generation_config.pad_token_id = 0
     vocab, b = model.config.vocab_size, args.batch
     one, many = prompts(vocab, args.context, 1, args.new_tokens), prompts(vocab, args.context, b, args.new_tokens)
-    report: dict[str, Any] = {
+    path = args.out / f"bench_batch_{args.model}.json"
+    settings: dict[str, Any] = {
         "model": args.model,
         "context": args.context,
         "new_tokens": args.new_tokens,
@@ -108,6 +118,29 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "device": str(lm.device),
     }
+    report: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    keys = {"throughput": "throughput_tokens_per_s", "steps": "step_ms", "capacity": "capacity"}
+    earlier = {k: report.get(k) for k in settings}
+    measured_with = report.setdefault(  # a part kept from an earlier run keeps the settings it was measured with
+        "settings_by_part", {part: earlier for part, key in keys.items() if key in report}
+    )
+    report.update(settings)
+    if "throughput" in args.parts:
+        report["throughput_tokens_per_s"] = throughput(model, one, many, args)
+    if "steps" in args.parts:
+        report["step_ms"] = step_costs(model, many, args)
+    if "capacity" in args.parts:
+        report["capacity"] = capacity(model, prompts(vocab, args.context, 4, args.new_tokens), args)
+    measured_with.update({part: settings for part in args.parts})
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+    print(f"wrote {path}")
+
+
+def throughput(model: Any, one: list[Request], many: list[Request], args: argparse.Namespace) -> dict[str, float]:
+    """Decode tokens/s of kvbench ``full`` and transformers' generate at batch 1 and ``--batch``."""
+    b = len(many)
     print("throughput", flush=True)
     steps = interleaved(
         {
@@ -118,35 +151,37 @@ def main() -> None:
         },
         args.rounds,
     )
-    report["throughput_tokens_per_s"] = {k: (b if f"B={b}" in k else 1) / v for k, v in steps.items()}
-    print("per-step cost at batch", b, flush=True)
-    report["step_ms"] = {
-        k: v * 1e3
-        for k, v in interleaved(
-            {
-                name: (lambda name=name: kvbench_step(model, many, name, args.budget, "both"))
-                for name in ["window"] + STATS
-            },
-            args.rounds,
-        ).items()
+    return {k: (b if f"B={b}" in k else 1) / v for k, v in steps.items()}
+
+
+def step_costs(model: Any, many: list[Request], args: argparse.Namespace) -> dict[str, float]:
+    """Milliseconds per decode step at batch ``--batch`` of ``window`` and the attention-statistics policies."""
+    print("per-step cost at batch", len(many), flush=True)
+    runs = {
+        name: (lambda name=name: kvbench_step(model, many, name, args.budget, "both")) for name in ["window"] + STATS
     }
+    return {k: v * 1e3 for k, v in interleaved(runs, args.rounds).items()}
+
+
+def capacity(model: Any, reqs: list[Request], args: argparse.Namespace) -> dict[str, Any]:
+    """The cap halfway between what 4 and 5 full-cache sequences take; each policy's largest batch under it and
+    its decode tokens/s there."""
     print("capacity", flush=True)
-    reqs = prompts(vocab, args.context, 4, args.new_tokens)
     sizes = {n: probe(model, reqs, policy("full"), 1.0, "both", n, 1 << 62).peak_memory_bytes for n in (4, 5)}
     cap = (sizes[4] + sizes[5]) // 2
-    report["capacity"] = {"cap_bytes": cap, "cap_gib": cap / GIB, "full_peak_bytes": sizes, "policies": {}}
+    out: dict[str, Any] = {"cap_bytes": cap, "cap_gib": cap / GIB, "full_peak_bytes": sizes, "policies": {}}
     for name in ["full"] + CAPACITY:
         budget = 1.0 if name == "full" else args.budget
         best, probes = largest_batch(
             lambda n, name=name, budget=budget: probe(model, reqs, policy(name), budget, "both", n, cap)
         )
-        report["capacity"]["policies"][name] = {"max_batch": best, "probes": [p.row() for p in probes]}
+        out["policies"][name] = {"max_batch": best, "probes": [p.row() for p in probes]}
         print(f"  {name}: max batch {best}", flush=True)
     at = {
         name: (
             lambda name=name: kvbench_step(
                 model,
-                [reqs[i % 4] for i in range(report["capacity"]["policies"][name]["max_batch"])],
+                [reqs[i % 4] for i in range(out["policies"][name]["max_batch"])],
                 name,
                 1.0 if name == "full" else args.budget,
                 "both",
@@ -154,33 +189,39 @@ def main() -> None:
         )
         for name in ["full"] + CAPACITY
     }
-    at_steps = interleaved(at, args.rounds)
-    for name, step in at_steps.items():
-        report["capacity"]["policies"][name]["decode_tokens_per_s"] = (
-            report["capacity"]["policies"][name]["max_batch"] / step
-        )
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_batch_{args.model}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(markdown(report))
-    print(f"wrote {path}")
+    for name, step in interleaved(at, args.rounds).items():
+        out["policies"][name]["decode_tokens_per_s"] = out["policies"][name]["max_batch"] / step
+    return out
+
+
+def setting(report: dict[str, Any], part: str, key: str) -> Any:
+    """A run setting of ``part``, as it was when that part was measured."""
+    return report.get("settings_by_part", {}).get(part, report)[key]
 
 
 def markdown(report: dict[str, Any]) -> str:
-    b = report["batch"]
-    tps = report["throughput_tokens_per_s"]
-    lines = [
-        "| decode tokens/s | kvbench full | transformers generate | kvbench / generate |",
-        "| --- | --- | --- | --- |",
-    ]
-    for n in (1, b):
-        ours, theirs = tps[f"kvbench full B={n}"], tps[f"generate B={n}"]
-        lines.append(f"| batch {n} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
-    lines.append(f"\nkvbench full, batch {b} / batch 1: {tps[f'kvbench full B={b}'] / tps['kvbench full B=1']:.2f} ×\n")
-    steps = report["step_ms"]
-    lines += [f"| policy (budget {report['budget']}, batch {b}) | decode step ms | × window |", "| --- | --- | --- |"]
-    lines += [f"| {k} | {v:.1f} | {v / steps['window']:.2f} |" for k, v in steps.items()]
-    cap = report["capacity"]
+    lines: list[str] = []
+    tps = report.get("throughput_tokens_per_s")
+    if tps:
+        b = setting(report, "throughput", "batch")
+        lines += [
+            "| decode tokens/s | kvbench full | transformers generate | kvbench / generate |",
+            "| --- | --- | --- | --- |",
+        ]
+        for n in (1, b):
+            ours, theirs = tps[f"kvbench full B={n}"], tps[f"generate B={n}"]
+            lines.append(f"| batch {n} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
+        lines.append(
+            f"\nkvbench full, batch {b} / batch 1: {tps[f'kvbench full B={b}'] / tps['kvbench full B=1']:.2f} ×\n"
+        )
+    steps = report.get("step_ms")
+    if steps:
+        budget, b = setting(report, "steps", "budget"), setting(report, "steps", "batch")
+        lines += [f"| policy (budget {budget}, batch {b}) | decode step ms | × window |", "| --- | --- | --- |"]
+        lines += [f"| {k} | {v:.1f} | {v / steps['window']:.2f} |" for k, v in steps.items()]
+    cap = report.get("capacity")
+    if not cap:
+        return "\n".join(lines)
     full = cap["policies"]["full"]
     measured = "device" if "cuda" in report["device"] else "KV + working, CPU RSS"
     lines += [

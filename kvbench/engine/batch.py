@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvbench.engine import measure
+from kvbench.engine import allocator, measure
 from kvbench.engine.attention import kvbench_attention_enabled
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.fused_llama import FusedLlama, supports
@@ -84,6 +84,8 @@ class BatchRun:
         self.decode_evicts = stage in ("decode", "both")
         self.sequences = [self._sequence(i, r, budget, stride) for i, r in enumerate(requests)]
         self.cache_kw = cache_argument(model)
+        if self.device.type == "cpu":
+            allocator.map_large_blocks_alone()
         self.fused = fused_forward_for(model, fused)
         if self.fused is not None:
             self.fused.pack(batch_size)
