@@ -8,6 +8,7 @@ import resource
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,17 +39,27 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return int(rss if sys.platform == "darwin" else rss * 1024), "process_peak_rss"
 
 
-def latency_summary(seconds: list[float]) -> dict[str, float | None]:
-    """Mean, p50 and p95 per-token decode latency in ms, and tokens/s."""
+@dataclass(frozen=True)
+class Latency:
+    """Per-step latency in milliseconds (mean, median, 95th percentile) and steps per second; None without
+    steps."""
+
+    mean_ms: float | None = None
+    p50_ms: float | None = None
+    p95_ms: float | None = None
+    per_s: float | None = None
+
+
+def latency_summary(seconds: list[float]) -> Latency:
     if not seconds:
-        return {"decode_ms_mean": None, "decode_ms_p50": None, "decode_ms_p95": None, "decode_tokens_per_s": None}
+        return Latency()
     ms = np.asarray(seconds) * 1e3
-    return {
-        "decode_ms_mean": float(ms.mean()),
-        "decode_ms_p50": float(np.percentile(ms, 50)),
-        "decode_ms_p95": float(np.percentile(ms, 95)),
-        "decode_tokens_per_s": float(len(seconds) / np.sum(seconds)),
-    }
+    return Latency(
+        float(ms.mean()),
+        float(np.percentile(ms, 50)),
+        float(np.percentile(ms, 95)),
+        len(seconds) / float(np.sum(seconds)),
+    )
 
 
 def trim_freed_memory(collect: bool = True) -> None:

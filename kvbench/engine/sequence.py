@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from kvbench.budget import budget_tokens as resolve_budget  # noqa: F401  (the engine's name for it)
-from kvbench.engine import measure
 from kvbench.engine.plan import LayerPlan
 from kvbench.engine.sampling import DecodeSettings, cut_at_stop
 
@@ -57,17 +56,6 @@ class Generation:
     decode_batch_sizes: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None
     trace: list[list[torch.Tensor]] | None = None
-
-    def timings(self) -> dict[str, float | None]:
-        out: dict[str, float | None] = {"prefill_s": self.prefill_s, "ttft_s": self.ttft_s}
-        out["prefill_tokens_per_s"] = self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else None
-        out.update(measure.latency_summary(self.decode_latencies_s))
-        steps = sum(self.decode_latencies_s)
-        out["batch_decode_tokens_per_s"] = sum(self.decode_batch_sizes) / steps if steps > 0 else None
-        out["decode_batch_mean"] = (
-            sum(self.decode_batch_sizes) / len(self.decode_batch_sizes) if self.decode_batch_sizes else None
-        )
-        return out
 
 
 @dataclass

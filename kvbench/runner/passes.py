@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.config import RunSpec
+from kvbench.engine import measure
 from kvbench.engine.generate import DecodeSettings, Generation, generate
 from kvbench.models import LoadedModel
 from kvbench.results.schema import Measures, Timings
@@ -54,8 +55,25 @@ def measures(g: Generation) -> Measures:
         peak_memory_prefill_bytes=g.peak_memory_prefill_bytes,
         peak_memory_bytes=g.peak_memory_bytes,
         peak_memory_kind=g.peak_memory_kind,
-        timings=Timings(**g.timings()),
+        timings=timings(g),
         prompt_tokens=g.prompt_tokens,
         new_tokens=len(g.tokens),
         stop_reason=g.stop_reason,
+    )
+
+
+def timings(g: Generation) -> Timings:
+    """A generation's timings: its prefill, its decode steps' latency, and the batch it shared them with."""
+    latency = measure.latency_summary(g.decode_latencies_s)
+    steps, sizes = sum(g.decode_latencies_s), g.decode_batch_sizes
+    return Timings(
+        prefill_s=g.prefill_s,
+        ttft_s=g.ttft_s,
+        prefill_tokens_per_s=g.prompt_tokens / g.prefill_s if g.prefill_s > 0 else None,
+        decode_ms_mean=latency.mean_ms,
+        decode_ms_p50=latency.p50_ms,
+        decode_ms_p95=latency.p95_ms,
+        decode_tokens_per_s=latency.per_s,
+        batch_decode_tokens_per_s=sum(sizes) / steps if steps > 0 else None,
+        decode_batch_mean=sum(sizes) / len(sizes) if sizes else None,
     )
