@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def parts_a_test_registers_are_forgotten() -> Iterator[None]:
+    """A test may register its own score, scope or allocation; the next test sees the names as they were (error
+    messages list them, and docs/refused_inputs.md records those messages)."""
+    from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
+
+    before = {registry: set(registry.names()) for registry in (SCORES, SCOPES, ALLOCATIONS)}
+    yield
+    for registry, names in before.items():
+        for name in set(registry.names()) - names:
+            registry.unregister(name)
