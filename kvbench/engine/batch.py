@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvbench.budget import too_small
 from kvbench.engine import allocator, measure
 from kvbench.engine.attention import kvbench_attention_enabled
 from kvbench.engine.cache.cache import KVCache
@@ -119,11 +120,9 @@ class BatchRun:
         tokens = (
             resolve_budget(budget, reference_length(self.stage, context, suffix, new)) if self.policy.evicts else None
         )
-        if tokens is not None and tokens < self.policy.scope.min_budget():
-            raise ValueError(
-                f"budget of {tokens} tokens is below what policy {self.policy.name!r} protects "
-                f"({self.policy.scope.min_budget()} tokens); raise the budget or lower n_sink/window"
-            )
+        problem = None if tokens is None else too_small(tokens, self.policy)
+        if problem:
+            raise ValueError(f"budget of {problem}")
         plans = plan_layers(self.policy, tokens, self.windows, self.stage, context, suffix, new, chunk)
         return Sequence(index, request, plans, tokens, chunk, self.device)
 

@@ -3,6 +3,7 @@ model cannot hold it or the budget cannot protect what the policy always keeps."
 
 from __future__ import annotations
 
+from kvbench.budget import too_small
 from kvbench.config import ConfigError, RunSpec
 from kvbench.engine.generate import reference_length, resolve_budget
 from kvbench.families import policy_problem
@@ -34,12 +35,8 @@ def render_all(task: Task, examples: list[Example], spec: RunSpec) -> dict[str, 
             )
         if spec.policy.evicts:
             reference = reference_length(spec.stage, len(prompt.input_ids), len(prompt.suffix_ids), new_tokens)
-            budget_tokens = resolve_budget(spec.budget, reference)
-            if budget_tokens < spec.policy.scope.min_budget():
-                raise ConfigError(
-                    f"example {ex.id}: budget={spec.budget} is {budget_tokens} tokens of its {reference}, below the "
-                    f"{spec.policy.scope.min_budget()} tokens policy {spec.policy.name!r} always protects; raise the "
-                    "budget or lower policy.scope.n_sink / window"
-                )
+            problem = too_small(resolve_budget(spec.budget, reference), spec.policy)
+            if problem:
+                raise ConfigError(f"example {ex.id}: budget={spec.budget} of its {reference} tokens: {problem}")
         rendered[ex.id] = prompt
     return rendered

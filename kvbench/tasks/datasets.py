@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kvbench.tasks.base import Example, RenderedPrompt, Task
+from kvbench.tasks.jsonl import parse_line
 from kvbench.tasks.prompting import truncate_middle
 
 # Hub repository and config of each summarisation dataset.
@@ -122,8 +123,9 @@ def _require_hub(label: str, stem: str) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every line of a local JSONL file as a JSON object; a bad line is refused with its file and line number."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [parse_line(line, f"{path}:{number}") for number, line in enumerate(lines, 1) if line.strip()]
 
 
 def sample_indices(total: int, n: int | None, seed: int) -> list[int]:

@@ -88,6 +88,8 @@ class RetrievalTask(Task):
     ):
         if needle not in ("passkey", "kv"):
             raise ValueError(f"task.needle must be 'passkey' or 'kv', not {needle!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"task.n must be a whole number >= 1 (synthetic prompts have no 'all'), not {n!r}")
         self.n, self.seed, self.context_tokens = int(n), int(seed), int(context_tokens)
         self.depths = list(depths) if depths else [i / max(1, self.n - 1) for i in range(self.n)]
         self.needle, self.n_pairs = needle, int(n_pairs)

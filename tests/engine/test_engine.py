@@ -227,7 +227,7 @@ def test_budget_resolution_and_capacity():
 
 
 def test_budget_below_protected_set_is_refused(tiny, random_ids):
-    with pytest.raises(ValueError, match="below what policy 'streamingllm' protects"):
+    with pytest.raises(ValueError, match="below the 5 tokens policy .streamingllm. always protects"):
         generate(
             tiny.model,
             None,

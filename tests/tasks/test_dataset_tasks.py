@@ -150,6 +150,16 @@ def test_missing_local_file_names_the_fix(tmp_path: Path) -> None:
         LongBench(subset="qasper", data_dir=str(tmp_path)).examples()
 
 
+def test_a_bad_line_of_a_local_file_names_its_file_and_line(tmp_path: Path) -> None:
+    good = json.dumps({"id": "a", "document": "Some text.", "summary": "Text."})
+    (tmp_path / "test.jsonl").write_text(f"{good}\n\n{{not json\n")
+    with pytest.raises(ValueError, match=r"test\.jsonl:3: not valid JSON .*fix or remove the line"):
+        XSum(data_dir=str(tmp_path)).examples()
+    (tmp_path / "test.jsonl").write_text(f"{good}\n[1, 2]\n")
+    with pytest.raises(ValueError, match=r"test\.jsonl:2: each line must be one JSON object"):
+        XSum(data_dir=str(tmp_path)).examples()
+
+
 def test_unreachable_hub_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(data, "_hub_offline", lambda: False)
     monkeypatch.setattr(data, "_hub_reachable", lambda: False)
