@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# Reproduce results/profile_example (a CPU is enough; about 90 minutes on 2 busy cores):
-#  1. attention profiles (kvbench-profile) of the embedded SmolLM2 (retrieval: 6 prompts, XSum: 4) and
-#     Gemma 3 270M (retrieval: 4, XSum: 4);
-#  2. allocation=profiled (policy=profiled/snapkv: budgets from step 1's profile of the same model and task)
-#     against uniform (snapkv) and pyramid (pyramidkv) at the same total budget, same score and scope, on
-#     retrieval (6 prompts), and its report with bootstrap intervals.
+# Reproduce results/profile_example (a CPU is enough; about 45 minutes on 2 idle cores):
+#  1. attention profiles (kvbench-profile) of the embedded SmolLM2 and Gemma 3 270M on retrieval and XSum, 20
+#     prompts each, drawn with task.seed=1: held out from the prompts step 2 scores;
+#  2. allocation=profiled (policy=profiled/snapkv: per-layer budgets from step 1's profile of the same model
+#     and task) against uniform (snapkv) and pyramid (pyramidkv) at the same total budget, same score and
+#     scope, stage prefill, budgets 0.1 and 0.2, on 20 prompts of each task drawn with task.seed=0;
+#  3. the report, and the paired differences against pyramid and uniform with bootstrap intervals.
 # XSUM_DIR: a local directory holding test.jsonl in the hub's field names; unset, XSum is fetched from the hub.
+# A cell already in results/profile_example/allocation is resumed, not rerun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 OUT=results/profile_example
-XSUM=(task=xsum task.n=4 task.max_new_tokens=32)
+N=${N:-20}
+XSUM=(task=xsum "task.n=$N")
 if [ -n "${XSUM_DIR:-}" ]; then XSUM+=("task.data_dir=$XSUM_DIR"); fi
-.venv/bin/kvbench-profile model=smollm2-135m task=retrieval task.n=6 output_dir=$OUT/smollm2-135m/retrieval
-.venv/bin/kvbench-profile model=smollm2-135m "${XSUM[@]}" output_dir=$OUT/smollm2-135m/xsum
-.venv/bin/kvbench-profile model=gemma3-270m task=retrieval task.n=4 output_dir=$OUT/gemma3-270m/retrieval
-.venv/bin/kvbench-profile model=gemma3-270m "${XSUM[@]}" output_dir=$OUT/gemma3-270m/xsum
-.venv/bin/kvbench-run -m model=smollm2-135m,gemma3-270m policy=snapkv,pyramidkv,profiled/snapkv budget=0.2 \
-  stage=prefill task=retrieval task.n=6 results_dir=results sweep_name=profile_example/allocation print_table=false
-.venv/bin/kvbench-report $OUT/allocation --out $OUT/allocation/report
+for model in smollm2-135m gemma3-270m; do
+  .venv/bin/kvbench-profile "model=$model" task=retrieval "task.n=$N" task.seed=1 \
+    "output_dir=$OUT/$model/retrieval"
+  .venv/bin/kvbench-profile "model=$model" "${XSUM[@]}" task.seed=1 task.max_new_tokens=32 \
+    "output_dir=$OUT/$model/xsum"
+done
+for task in "task=retrieval task.n=$N" "${XSUM[*]}"; do
+  # shellcheck disable=SC2086  # the task's overrides are words
+  .venv/bin/kvbench-run -m model=smollm2-135m,gemma3-270m policy=snapkv,pyramidkv,profiled/snapkv \
+    budget=0.1,0.2 stage=prefill $task task.seed=0 results_dir=results sweep_name=profile_example/allocation \
+    print_table=false
+done
+.venv/bin/kvbench-report $OUT/allocation --out $OUT/allocation/report --paired pyramidkv --paired snapkv

@@ -25,6 +25,7 @@ from kvbench.report.aggregate import (
 )
 from kvbench.report.capacity import capacity_figures
 from kvbench.report.load import Loaded, load_rows
+from kvbench.report.paired import paired_differences, paired_markdown
 from kvbench.report.plots import budget_figure, pareto_figure, save_figure
 from kvbench.report.style import lower_is_better, metric_label, sort_stages
 from kvbench.report.tables import markdown_table, quality_csv, quality_markdown
@@ -36,6 +37,7 @@ from kvbench.results.schema import (
     KIND_CAPACITY,
     KV_RESIDENT_BYTES,
     PEAK_MEMORY_BYTES,
+    POLICY,
     SCORE,
     STAGE,
     STATUS,
@@ -139,6 +141,27 @@ def _write_figures(
     return sections
 
 
+def _policies(rows: pd.DataFrame) -> str:
+    return ", ".join(sorted(rows[POLICY].unique()))
+
+
+def _paired_section(
+    rows: pd.DataFrame, column: str, names: dict[str, str], baseline: str, n_boot: int, seed: int, out_dir: Path
+) -> list[str]:
+    """report.md's lines comparing every policy with ``baseline`` example by example; writes the CSV beside."""
+    table = paired_differences(rows, column, names, baseline, n_boot, seed)
+    table.to_csv(out_dir / f"paired_{_safe(baseline)}.csv", index=False)
+    return [
+        f"## Paired differences against {baseline}",
+        "",
+        f"Each cell: the mean over examples of (policy − {baseline}) in the quality metric, its 95 % paired "
+        f"bootstrap interval ({n_boot} resamples of the examples both finished), then on how many examples the "
+        "policy did better / worse, of the pairs.",
+        "",
+        paired_markdown(table) or "No examples in common.",
+    ]
+
+
 def build_report(
     roots: Sequence[Path],
     out_dir: Path,
@@ -146,9 +169,11 @@ def build_report(
     n_boot: int = N_BOOT,
     seed: int = 0,
     log: TextIO | None = None,
+    paired: Sequence[str] = (),
 ) -> Path:
     """Write every figure, the tables and ``report.md`` into ``out_dir``; returns report.md's path.
 
+    ``paired``: baseline policies each other policy is compared with example by example (``report.paired``).
     Progress, gaps and failures go to ``log`` (standard error by default).
     """
     log = log or sys.stderr
@@ -156,6 +181,9 @@ def build_report(
     rows = loaded.rows
     if rows.empty:
         raise ValueError(f"no rows.jsonl rows under {', '.join(map(str, roots))}")
+    unknown = sorted(set(paired) - set(rows[POLICY]))
+    if unknown:
+        raise ValueError(f"--paired {', '.join(unknown)}: no such policy in the rows; they hold {_policies(rows)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     is_capacity = rows[KIND].eq(KIND_CAPACITY)
     capacity = capacity_figures(rows[is_capacity], out_dir) if is_capacity.any() else []
@@ -196,7 +224,10 @@ def build_report(
     if capacity:
         parts += ["", "## Capacity", "", *capacity]
     parts += ["", "## Quality tables", "", "Best policy per budget in bold (the full cache is the reference).", ""]
-    parts += [tables_md or "No quality values.", "", _coverage(loaded, missing, errors), ""]
+    parts += [tables_md or "No quality values."]
+    for baseline in paired:
+        parts += ["", *_paired_section(rows, column, names, baseline, n_boot, seed, out_dir)]
+    parts += ["", _coverage(loaded, missing, errors), ""]
     report = out_dir / "report.md"
     report.write_text("\n".join(parts), encoding="utf-8")
     print(f"kvbench-report: wrote {report}", file=log)

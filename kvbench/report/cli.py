@@ -1,4 +1,4 @@
-"""``kvbench-report RESULTS_DIR... [--out DIR] [--metric NAME]``: the command-line entry point."""
+"""``kvbench-report RESULTS_DIR... [--out DIR] [--metric NAME] [--paired POLICY]``: the command-line entry point."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--metric", help="metric to plot instead of each task's primary metric, e.g. fidelity_kl")
     parser.add_argument("--bootstrap", type=int, default=N_BOOT, help="bootstrap resamples per cell")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    parser.add_argument(
+        "--paired",
+        action="append",
+        default=[],
+        metavar="POLICY",
+        help="also compare every policy with POLICY example by example (paired bootstrap); repeatable",
+    )
     return parser
 
 
@@ -42,7 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvbench-report: no such path: {', '.join(absent)}", file=sys.stderr)
         return 2
     try:
-        build_report(args.results, args.out or default_out(args.results), args.metric, args.bootstrap, args.seed)
+        build_report(
+            args.results,
+            args.out or default_out(args.results),
+            args.metric,
+            args.bootstrap,
+            args.seed,
+            paired=args.paired,
+        )
     except ValueError as error:
         print(f"kvbench-report: {error}", file=sys.stderr)
         return 2

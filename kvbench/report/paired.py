@@ -1,0 +1,100 @@
+"""Paired differences against a baseline policy (``kvbench-report --paired POLICY``).
+
+Every policy of a sweep runs on the same examples, so a comparison of two policies should resample examples, not
+cells: the interval of the per-example difference (a paired bootstrap) is much narrower than two independent
+intervals whenever examples differ in difficulty more than the policies differ in effect, which is the usual
+case on small samples. Only examples both policies finished are paired.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+
+import numpy as np
+import pandas as pd
+
+from kvbench.report.aggregate import N_BOOT, bootstrap
+from kvbench.report.style import BASELINE, lower_is_better, sort_policies
+from kvbench.report.tables import BLOCK, format_value, markdown_table
+from kvbench.results.schema import BUDGET, EXAMPLE_ID, MODEL, POLICY, STAGE, STATUS, STATUS_OK, TASK
+
+PAIRED_COLUMNS = [*BLOCK, BUDGET, POLICY, "baseline", "diff", "ci_low", "ci_high", "n", "better", "worse"]
+
+
+def _baseline_rows(block: pd.DataFrame, everything: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """The baseline's rows for one block; the full cache ignores budget and stage, so any of its rows serve."""
+    rows = block[block[POLICY].eq(baseline)]
+    if rows.empty and baseline == BASELINE:
+        model, task = block[MODEL].iat[0], block[TASK].iat[0]
+        full = everything[everything[POLICY].eq(BASELINE) & everything[MODEL].eq(model) & everything[TASK].eq(task)]
+        rows = full[full[STAGE].eq(full[STAGE].iat[0])] if len(full) else full
+    return rows
+
+
+def paired_differences(
+    rows: pd.DataFrame,
+    column: str,
+    metric_names: Mapping[str, str],
+    baseline: str,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """One row per model, task, stage, budget and policy: the mean over paired examples of policy − baseline in
+    ``column``, its percentile-bootstrap interval, the number of pairs, and on how many examples the policy did
+    better and worse (by the direction of each task's metric, ``metric_names``: task → metric)."""
+    ok = rows[rows[STATUS].eq(STATUS_OK)] if STATUS in rows else rows
+    ok = ok.assign(_value=pd.to_numeric(ok[column], errors="coerce")).dropna(subset=["_value"])
+    records = []
+    for key, block in ok.groupby([*BLOCK, BUDGET], sort=False):
+        base = _baseline_rows(block, ok, baseline).drop_duplicates(EXAMPLE_ID).set_index(EXAMPLE_ID)["_value"]
+        if base.empty:
+            continue
+        lower = lower_is_better(metric_names.get(str(key[1]), column))
+        for policy, cells in block[block[POLICY].ne(baseline)].groupby(POLICY, sort=False):
+            values = cells.drop_duplicates(EXAMPLE_ID).set_index(EXAMPLE_ID)["_value"]
+            shared = values.index.intersection(base.index)
+            diff = (values[shared] - base[shared]).to_numpy(dtype=float)
+            if not len(diff):
+                continue
+            rng = np.random.default_rng([seed, zlib.crc32("\x1f".join(map(str, (*key, policy))).encode())])
+            mean, low, high, count = bootstrap(diff[:, None], rng, n_boot)
+            gain = -diff if lower else diff
+            records.append(
+                dict(zip([*BLOCK, BUDGET], key))
+                | {
+                    POLICY: policy,
+                    "baseline": baseline,
+                    "diff": mean[0],
+                    "ci_low": low[0],
+                    "ci_high": high[0],
+                    "n": int(count[0]),
+                    "better": int((gain > 0).sum()),
+                    "worse": int((gain < 0).sum()),
+                    "budget_kind": block["budget_kind"].iat[0],
+                    "budget_value": block["budget_value"].iat[0],
+                }
+            )
+    return pd.DataFrame.from_records(records, columns=[*PAIRED_COLUMNS, "budget_kind", "budget_value"])
+
+
+def _signed(value: float) -> str:
+    return ("+" if value > 0 else "") + format_value(value)
+
+
+def paired_markdown(paired: pd.DataFrame) -> str:
+    """One table per model, task and stage: policies × budgets, each cell ``diff [low, high] better/worse of n``."""
+    parts = []
+    for (model, task, stage), block in paired.groupby(BLOCK, sort=True):
+        order = block.sort_values(["budget_kind", "budget_value"])[BUDGET].drop_duplicates().tolist()
+        cells = block.assign(
+            text=[
+                f"{_signed(r.diff)} [{_signed(r.ci_low)}, {_signed(r.ci_high)}] {r.better}/{r.worse} of {r.n}"
+                for r in block.itertuples()
+            ]
+        )
+        wide = cells.pivot_table(index=POLICY, columns=BUDGET, values="text", aggfunc="first")
+        wide = wide.reindex(index=sort_policies(block[POLICY]), columns=order).fillna("–").reset_index()
+        heading = f"**{model} · {task} · {stage}** − {block['baseline'].iat[0]}"
+        parts.append(f"{heading}\n\n{markdown_table(wide)}")
+    return "\n\n".join(parts)
