@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,6 +19,9 @@ from kvbench.config.schema import SamplingConfig, Source, Stage
 from kvbench.config.spec import ConfigError, RunSpec
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import build_policy
+
+if TYPE_CHECKING:
+    from kvbench.tasks.base import Task
 
 
 def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
@@ -40,7 +43,12 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
         raise ConfigError(f"policy={policy.name} cannot run in stage={run.stage}; use stage in {allowed}")
     model = plain(run.model)
     check_model(model)
-    check_task(task_data)
+    task = check_task(task_data)
+    if run.batch_size > 1 and not task.batchable:
+        raise ConfigError(
+            f"task={task_data.get('name')} scores each text alone (teacher forcing), so batch_size="
+            f"{run.batch_size} would label one sequence's timings as a batch's; use batch_size=1"
+        )
     tracking = plain(run.tracking)
     _check_tracking(tracking)
     return RunSpec(
@@ -151,7 +159,7 @@ def _check_tracking(tracking: dict[str, Any]) -> None:
         raise ConfigError(problem)
 
 
-def check_task(task_cfg: dict[str, Any]) -> None:
+def check_task(task_cfg: dict[str, Any]) -> Task:
     """Build the task (cheap: no model) so unknown names, missing files and unreadable prompts fail now."""
     from kvbench.tasks.registry import build_task
 
@@ -160,3 +168,4 @@ def check_task(task_cfg: dict[str, Any]) -> None:
         task.validate()
     except (ValueError, FileNotFoundError, TypeError) as err:
         raise ConfigError(f"task={task_cfg.get('name')}: {err}") from err
+    return task

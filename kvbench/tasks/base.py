@@ -49,6 +49,9 @@ class Task(ABC):
     name: str = "task"
     # The metric a trade-off figure plots by default; a key of the dict ``score`` returns.
     primary_metric: str = "score"
+    # Whether examples can be decoded several at a time (``batch_size`` > 1); a task that scores texts by
+    # teacher forcing runs them one at a time, so a batched cell of it would carry one sequence's timings.
+    batchable: bool = True
 
     @abstractmethod
     def examples(self) -> list[Example]:

@@ -44,6 +44,7 @@ class ScoredText(RenderedPrompt):
 @register_task("perplexity")
 class PerplexityTask(Task):
     primary_metric = "perplexity"  # lower is better
+    batchable = False
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, SHARED_DATA
 from hydra.core.global_hydra import GlobalHydra
 
 import kvbench.models
@@ -165,6 +165,16 @@ def refuse(cli, overrides: list[str]) -> tuple[int, str]:
     code, err = cli(*base, *overrides)
     MESSAGES[" ".join(overrides)] = (code, one_message(err))
     return MESSAGES[" ".join(overrides)]
+
+
+def test_a_task_scored_one_text_at_a_time_refuses_a_batch(cli):
+    """Perplexity teacher-forces each text alone: a batch_size > 1 cell would label its timings a batch's."""
+    code, err = cli("model=tiny-llama", "task=perplexity", f"task.data_dir={SHARED_DATA}/longbench", "batch_size=4")
+    assert code == 2
+    assert one_message(err) == (
+        "kvbench: task=perplexity scores each text alone (teacher forcing), so batch_size=4 would label one "
+        "sequence's timings as a batch's; use batch_size=1"
+    )
 
 
 def test_cuda_device_without_cuda(cli):
