@@ -38,8 +38,9 @@ def cache_argument(model: Any) -> str:
 
 
 def fused_forward_for(model: Any, fused: bool | None) -> FusedLlama | None:
-    """The model's fused forward, built once and kept on the model; None where it does not apply."""
-    if fused is False:
+    """The model's fused forward, built once and kept on the model; None where it does not apply. By default CPU
+    only: an accelerator's kernels take transposed weights as they are, and fused copies would double them."""
+    if fused is False or (fused is None and next(model.parameters()).device.type != "cpu"):
         return None
     ok, why = supports(model)
     if not ok:

@@ -78,7 +78,9 @@ def test_budget_at_least_length_equals_generate(device_tiny, hf_reference, name,
     torch.testing.assert_close(g.logits, ref_logits, rtol=0, atol=LOGIT_TOL * float(ref_logits.abs().max()))
 
 
-def test_the_unfused_forward_equals_generate_too(device_tiny, hf_reference):
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_fused_and_the_modules_forward_both_equal_generate(device_tiny, hf_reference, fused):
+    """The default is the fused forward on CPU and the model's modules on CUDA; each, asked for, is exact."""
     ids, ref_tokens, ref_logits = hf_reference
     g = generate(
         device_tiny.model,
@@ -90,7 +92,7 @@ def test_the_unfused_forward_equals_generate_too(device_tiny, hf_reference):
         DecodeSettings(max_new_tokens=NEW),
         stride=STRIDE,
         return_logits=True,
-        fused=False,
+        fused=fused,
     )
     assert g.tokens == ref_tokens
     assert g.logits is not None
@@ -158,7 +160,7 @@ def test_out_of_memory_inside_a_probe_is_a_probe_that_does_not_fit(device_tiny, 
     """The error comes from the cache's first allocation, mid-forward; the probe says the batch does not fit,
     frees what the run held, restores the model's attention, and the next probe runs."""
     model, reqs = device_tiny.model, probe_requests()
-    # First a run that leaves allocated what stays for good (the fused weights, the BLAS workspace).
+    # First a run that leaves allocated what stays for good (the BLAS workspace; on CPU the fused weights).
     assert probe(model, reqs, named("h2o"), 0.5, "both", 2, cap_bytes=1 << 50).fits
     before = torch.cuda.memory_allocated(DEVICE) if ON_CUDA else 0
     original = store.KVStore.__init__

@@ -359,3 +359,19 @@ def test_interleaved_generations_equal_each_run_alone(tiny, random_ids):
     for i, ref in enumerate(alone):
         assert done[i].tokens == ref.tokens
         torch.testing.assert_close(done[i].logits, ref.logits, rtol=0, atol=0)
+
+
+def test_the_fused_forward_is_the_default_on_cpu_only():
+    """Off an accelerator's device by default (its fused copies would double the weights there); asked for, built."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.engine.batch import fused_forward_for
+
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64
+    )
+    model = LlamaForCausalLM(config)
+    assert fused_forward_for(model, None) is not None and fused_forward_for(model, False) is None
+    on_meta = LlamaForCausalLM(config).to("meta")  # any device that is not the CPU
+    assert fused_forward_for(on_meta, None) is None
+    assert fused_forward_for(on_meta, True) is not None
