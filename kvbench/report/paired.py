@@ -16,7 +16,7 @@ import pandas as pd
 
 from kvbench.report.aggregate import N_BOOT, bootstrap
 from kvbench.report.style import BASELINE, lower_is_better, sort_policies
-from kvbench.report.tables import BLOCK, format_value, markdown_table
+from kvbench.report.tables import BLOCK, markdown_table
 from kvbench.results.schema import BUDGET, EXAMPLE_ID, MODEL, POLICY, STAGE, STATUS, STATUS_OK, TASK
 
 PAIRED_COLUMNS = [*BLOCK, BUDGET, POLICY, "baseline", "diff", "ci_low", "ci_high", "n", "better", "worse"]
@@ -79,7 +79,8 @@ def paired_differences(
 
 
 def _signed(value: float) -> str:
-    return ("+" if value > 0 else "") + format_value(value)
+    """Three decimals with a sign: a difference near zero reads as one, not in scientific notation."""
+    return f"{value:+.3f}"
 
 
 def paired_markdown(paired: pd.DataFrame) -> str:
