@@ -9,10 +9,10 @@ advice: early layers are more uniform, later ones more concentrated).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from kvbench.policies.base import Allocation
+from kvbench.policies.layer_split import fit_total, integer_split
 from kvbench.policies.parts import register_allocation
 
 # Layer statistics of a profile where more means the layer needs more of its keys.
@@ -56,32 +56,7 @@ class Profiled(Allocation):
         total = int(min(n_layers * budget, n_layers * hi))
         free = n_layers * (budget - reserved)
         raw = [reserved + free * w / sum(weights) for w in weights]
-        return largest_remainder(water_fill(raw, lo, hi, total), hi, total)
+        return integer_split(fit_total(raw, lo, hi, total), lo, hi, total)
 
     def describe(self) -> str:
         return f"profiled({self.statistic}, {Path(self.profile).name})"
-
-
-def water_fill(raw: list[float], lo: float, hi: float, total: float) -> list[float]:
-    """Clip to [lo, hi], then move the difference to ``total`` onto the layers still inside, evenly."""
-    vals = [min(max(v, lo), hi) for v in raw]
-    for _ in range(len(vals) + 1):
-        diff = total - sum(vals)
-        movable = [i for i, v in enumerate(vals) if (v < hi if diff > 0 else v > lo)]
-        if abs(diff) < 1e-9 or not movable:
-            break
-        for i in movable:
-            vals[i] = min(max(vals[i] + diff / len(movable), lo), hi)
-    return vals
-
-
-def largest_remainder(vals: list[float], hi: float, total: int) -> list[int]:
-    """Integers summing to ``total`` (where ``hi`` allows): floors, then one more to the largest remainders."""
-    out = [math.floor(v + 1e-9) for v in vals]
-    order = sorted(range(len(vals)), key=lambda i: (out[i] - vals[i], i))
-    for i in order:
-        if sum(out) >= total:
-            break
-        if out[i] + 1 <= hi:
-            out[i] += 1
-    return out
