@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce results/profile_example (a CPU is enough; about 90 minutes on 2 cores):
+# Reproduce results/profile_example (a CPU is enough; about 95 minutes on 2 cores, measured in several runs):
 #  1. attention profiles (kvbench-profile) of the embedded SmolLM2 and Gemma 3 270M on retrieval and XSum, 20
 #     prompts each, drawn with task.seed=1: held out from the prompts step 2 scores;
 #  2. allocation=profiled (policy=profiled/snapkv: per-layer budgets from step 1's profile of the same model
