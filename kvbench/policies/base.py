@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from kvbench.policies.running import RowSum
 from kvbench.policies.state import TokenState
-from kvbench.policies.statistics import ATTENTION_STATS
+from kvbench.policies.statistics import attention_names
 
 POSITION_MODES = ("absolute", "reindex")
 SLIDING_MODES = ("window", "evict")
@@ -36,10 +37,12 @@ class Score(ABC):
     # Per-entry quantities fixed when an entry is written (``features``), kept beside the statistics so that
     # a score reads them instead of recomputing them from every held key or value at every step.
     feature_names: frozenset[str] = frozenset()
+    # Per-row running sums the cache keeps up to date as entries come and go (``TokenState.row_sums``).
+    row_sums: tuple[RowSum, ...] = ()
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
-        """Scores, float [kv_heads, n]."""
+        """Scores, float [kv_heads, n]. Padding (``state.valid``) may score anything: it is never kept."""
 
     def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """{name: [H, q]} for new entries, keys/values [H, q, D] as stored (``feature_names``)."""
@@ -49,6 +52,26 @@ class Score(ABC):
         """What the query log keeps of the newest queries: probs [H, r, n] (GQA group-mean attention rows,
         0 where a key was not visible), nvis [H, r] (keys each query saw). The rows themselves by default."""
         return probs
+
+
+# What a score declares, so that a wrapper forwards all of it (``ScoreWrapper``).
+DECLARATIONS = ("needs", "history", "unsupported_stages", "why_unsupported", "feature_names", "row_sums")
+
+
+class ScoreWrapper(Score):
+    """A score computed from another (``inner``): it declares what the inner score declares, features and query
+    log rows included, so a wrapper states only what it adds."""
+
+    def __init__(self, inner: Score):
+        self.inner = inner
+        for name in DECLARATIONS:
+            setattr(self, name, getattr(inner, name))
+
+    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.inner.features(keys, values)
+
+    def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
+        return self.inner.log_rows(probs, nvis)
 
 
 class Scope(ABC):
@@ -140,7 +163,7 @@ class Policy:
 
     @property
     def needs_attention(self) -> bool:
-        return bool(self.needs & ATTENTION_STATS)
+        return bool(attention_names(self.needs))
 
     @property
     def feature_names(self) -> frozenset[str]:
@@ -148,6 +171,11 @@ class Policy:
 
     def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.score.features(keys, values)
+
+    @property
+    def row_sums(self) -> tuple[RowSum, ...]:
+        """Running per-row sums the layers keep for this policy (none for a cache that never evicts)."""
+        return self.score.row_sums if self.evicts else ()
 
     @property
     def history(self) -> int:

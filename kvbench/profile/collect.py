@@ -22,11 +22,10 @@ from kvbench.engine.attention import family_arguments
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
 from kvbench.engine.visibility import Window, visibility
 from kvbench.families import layer_windows
+from kvbench.policies.statistics import STATISTICS, attention_names
 from kvbench.profile import measures
 
 PROFILE_ATTN = "kvbench_profile"
-# The engine statistics every score reads at the end of the prompt (``count`` and features are derived later).
-PROMPT_STATS = frozenset({"acc", "sumsq", "last", "qlog"})
 
 
 @dataclass
@@ -95,7 +94,15 @@ def profile_attention(
     profile = _profile(query, key, scaling, window, softcap, p, recorder)
     prompt_window = _window(size, p, key.device)
     end = attention_statistics(
-        query[:, :, :p], key[:, :, :p], scaling, 0, None, PROMPT_STATS, recorder.history, prompt_window, softcap
+        query[:, :, :p],
+        key[:, :, :p],
+        scaling,
+        0,
+        None,
+        attention_names(STATISTICS),
+        recorder.history,
+        prompt_window,
+        softcap,
     )
     prompt_end = PromptEnd(end, key[0, :, :p], value[0, :, :p], size)
     recorder.results[layer] = recorder.on_layer(layer, profile, prompt_end)

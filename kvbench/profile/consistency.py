@@ -17,6 +17,7 @@ from kvbench.engine.sequence import resolve_budget
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.state import TokenState
+from kvbench.policies.statistics import FromPositions, declared, stored_names
 from kvbench.profile.collect import PromptEnd
 from kvbench.profile.measures import attention_recall, oracle_recall
 
@@ -60,8 +61,9 @@ def prompt_state(end: PromptEnd, policy: Policy, layer: int, seed: int = 0) -> T
     """The layer's state at the end of the prompt as the policy's parts would read it."""
     heads, length = end.keys.shape[0], end.keys.shape[1]
     positions = torch.arange(length, device=end.keys.device).expand(heads, length)
-    stats = {name: end.stats[name] for name in ("acc", "sumsq", "last")}
-    stats["count"] = (length - positions).to(torch.float32)
+    stats = {name: end.stats[name] for name in stored_names(end.stats)}  # every declared attention statistic
+    for computed in declared(policy.needs, FromPositions):
+        stats[computed.name] = computed.of(torch.full((heads, 1), length, device=positions.device), positions)
     history = policy.history
     if history:
         rows, nvis = end.stats["qlog"][:, -history:], end.stats["qlog_nvis"][:, -history:]
