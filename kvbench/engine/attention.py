@@ -160,7 +160,7 @@ def kvbench_attention(
                 ],
                 {},
             )
-        cache.after_attention(layer_idx, q, stats)
+        cache.after_attention(layer_idx, q, _with_queries(stats, cache, layer_idx, query))
         return output, None
     if query.shape[0] != 1:
         raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
@@ -181,7 +181,7 @@ def kvbench_attention(
             value,
         )
         output = stats.pop("output")
-        cache.after_attention(layer_idx, q, stats)
+        cache.after_attention(layer_idx, q, _with_queries(stats, cache, layer_idx, query))
         return output, None
     output = _sdpa(module, query, key, value, scaling, past, layer.visible, window)
     stats = (
@@ -189,8 +189,28 @@ def kvbench_attention(
         if collecting
         else {}
     )
-    cache.after_attention(layer_idx, q, stats)
+    cache.after_attention(layer_idx, q, _with_queries(stats, cache, layer_idx, query))
     return output, None
+
+
+def _with_queries(
+    stats: dict[str, torch.Tensor], cache: KVCache, layer_idx: int, query: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``stats`` plus, where the policy declared them (``Score.queries``) and the step evicts, the step's last
+    queries as ``queries`` [B × kv_heads, group, k, D]: as attention saw them, or with the model's RoPE undone."""
+    wants = cache.kv_layers[layer_idx].policy.queries
+    if wants is None or not cache.evicting:
+        return stats
+    b, hq, q, dim = query.shape
+    k = min(q, wants.last)
+    last = query[:, :, q - k :].clone()  # a copy: a view would hold the whole chunk's queries until the eviction
+    if not wants.rope:
+        rotaries = cache.inputs.rotaries
+        assert rotaries is not None, "the cache keeps the rotaries of a policy reading pre-RoPE queries"
+        positions = cache.step_model_positions[:, q - k :].unsqueeze(1)  # [B, 1, k]: where the model rotated them
+        last = rotaries[layer_idx].unrotate(last, positions)
+    hkv = cache.allocated.heads
+    return {**stats, "queries": last.reshape(b * hkv, hq // hkv, k, dim)}
 
 
 def _sdpa(

@@ -35,8 +35,9 @@ class TokenState:
 
     Per row: ``positions`` [H, n] (absolute sequence positions), ``stats`` {name: [H, n]} (the statistics and
     write-time features the parts declared), ``keys``/``values`` [H, n, D] (loaded when first read), ``row_sums``
-    {name: [H, F]} (declared running quantities, see ``policies.running``) and, when a score keeps a query log,
-    ``stats["qlog"]`` [H, W, n] (the rows as its ``log_rows`` made them).
+    {name: [H, F]} (declared running quantities, see ``policies.running``), ``queries`` [H, group, k, D] (the
+    evicting step's last queries, where the score declared them: ``policies.inputs.Queries``) and, when a score
+    keeps a query log, ``stats["qlog"]`` [H, W, n] (the rows as its ``log_rows`` made them).
 
     Rows may hold different counts (per-head allocation): each row's entries then come first, in sequence order,
     and padding fills the rest up to the longest row. A part need not know: padding reads as zero everywhere
@@ -70,6 +71,7 @@ class TokenState:
         seed: int = 0,
         row_keys: torch.Tensor | None = None,
         row_sums: dict[str, torch.Tensor] | None = None,
+        queries: torch.Tensor | None = None,
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
@@ -90,6 +92,7 @@ class TokenState:
             row_keys if row_keys is not None else torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
         )
         self.row_sums = row_sums or {}
+        self.queries = queries
         self._zeroed = False
 
     def outside_window(self) -> torch.Tensor | None:

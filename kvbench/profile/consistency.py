@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.engine.score_inputs import per_head
 from kvbench.engine.sequence import resolve_budget
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import build_policy
@@ -68,7 +69,12 @@ def prompt_state(end: PromptEnd, policy: Policy, layer: int, seed: int = 0) -> T
     if history:
         rows, nvis = end.stats["qlog"][:, -history:], end.stats["qlog_nvis"][:, -history:]
         stats["qlog"] = policy.score.log_rows(rows, nvis)
-    stats.update(policy.features(end.keys, end.values))
+    if policy.queries is not None:
+        raise ValueError(f"policy {policy.name!r} reads the step's queries, which profiling does not record")
+    weights = {name: w for name, w in end.weights.items() if name in policy.weights}
+    for at, part in per_head(weights, torch.arange(heads, device=end.keys.device), heads):
+        for name, value in policy.features(end.keys[at], end.values[at], part).items():
+            stats.setdefault(name, value.new_zeros(heads, value.shape[-1]))[at] = value
     return TokenState(
         keys=end.keys,
         values=end.values,

@@ -85,7 +85,7 @@ def test_the_score_registers_and_ranks_by_attention_per_key_norm(score_class: ty
     # acc [1, 2, 3, 4] over key norms [1, 4, 1, 2] -> [1, 0.5, 3, 2]: budget 2 keeps entries 2 and 3, budget 3 also 0.
     keys = torch.tensor([[[1.0, 0.0], [0.0, 4.0], [0.6, 0.8], [2.0, 0.0]]])
     policy = Policy("acc_per_norm", score_class(), All())
-    features = policy.features(keys, torch.zeros_like(keys))
+    features = policy.features(keys, torch.zeros_like(keys), {})
     state = TokenState(positions=torch.arange(4).view(1, 4), stats={"acc": torch.tensor([[1.0, 2, 3, 4]]), **features})
     assert policy.partition(state, 2)[0].tolist() == [[2, 3]]
     assert policy.partition(state, 3)[0].tolist() == [[0, 2, 3]]

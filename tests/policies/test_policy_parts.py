@@ -124,7 +124,7 @@ def rich_state(phase: str = "prefill", score: Score | None = None) -> TokenState
     t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
     keys, values = t(KEYS), t(VALUES)
     qlog = t(QLOG) if score is None else score.log_rows(t(QLOG), t(NVIS))
-    features = {} if score is None else score.features(keys, values)
+    features = {} if score is None else score.features(keys, values, {})
     stats = {"acc": t(ACC), "count": t(COUNT), "last": t(LAST), "qlog": qlog, "qlog_nvis": t(NVIS)} | features
     return TokenState(keys=keys, values=values, positions=torch.arange(N).repeat(H, 1), stats=stats, phase=phase)
 

@@ -21,6 +21,7 @@ from kvbench.engine.cache.layer import CacheLayer
 from kvbench.engine.cache.row_sums import RowSums
 from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
+from kvbench.engine.score_inputs import ScoreInputs, per_head
 from kvbench.policies.base import Policy
 from kvbench.policies.positions import Rotary, layer_rotaries
 from kvbench.policies.state import TokenState
@@ -70,6 +71,7 @@ class KVCache(Cache):
         self._pending: torch.Tensor | None = None
         self._cache: dict[Any, torch.Tensor] = {}
         self.hidden: list[torch.Tensor] | None = None  # per layer, what masked replay lets each row see
+        self.inputs = ScoreInputs(model, policy, len(plans))  # the weights and queries the score declared
         self.seen = [0] * slots  # per slot, tokens fed so far
 
     @property
@@ -216,13 +218,16 @@ class KVCache(Cache):
         them as stored."""
         layer = self.kv_layers[l]
         keys, values = layer.store.gather(rows, slots.unsqueeze(1))
-        for name, value in layer.policy.features(keys, values).items():
-            self.allocated.write_column(name, l, rows, slots, value)
+        for at, weights in per_head(self.inputs.weights[l], rows, self.allocated.heads):
+            for name, value in layer.policy.features(keys[at], values[at], weights).items():
+                self.allocated.write_column(name, l, rows[at], slots[at], value)
 
     def after_attention(self, l: int, q: int, stats: dict[str, torch.Tensor]) -> None:
         """Fold the layer's statistics over its step keys (slots ``0:n``) into its rows."""
         if not stats:
             return
+        if "queries" in stats:  # not a statistic: the step's queries, for this step's eviction
+            self.inputs.queries[l] = stats.pop("queries")
         e, layer = self.allocated, self.kv_layers[l]
         rr = e.row_range(self.lo, self.hi)
         for name, value in stats.items():

@@ -39,6 +39,9 @@ class StepRows:
     row_keys: torch.Tensor  # [layers × rows] long
     phase: str
     seed: int
+    # Per layer, the step's queries a score declared ([rows of the step, group, k, D]), and the step's first row.
+    queries: list[torch.Tensor | None] = field(default_factory=list)
+    first_row: int = 0
 
 
 def unit_rows(entries: Entries, units: list[tuple[int, int]]) -> list[int]:
@@ -91,6 +94,7 @@ def group_state(
         lazy["qlog"] = logged
     keys = step.row_keys if rows is None else step.row_keys.index_select(0, rows)
     return TokenState(
+        queries=None if policy.queries is None else step_queries(entries, rows, step),
         row_sums={} if entries.row_sums is None else entries.row_sums.read(rows),
         positions=positions,
         stats=Stats(eager, lazy),
@@ -105,6 +109,17 @@ def group_state(
         seed=step.seed,
         row_keys=keys.unsqueeze(1),
     )
+
+
+def step_queries(entries: Entries, rows: torch.Tensor | None, step: StepRows) -> torch.Tensor:
+    """The group's rows' queries of this step, [r, group, k, D] (each layer's part from what its attention kept)."""
+    flat = torch.arange(entries.layers * entries.rows, device=entries.device) if rows is None else rows
+    parts = []
+    for l, start, end in layer_runs(flat, entries.rows):
+        kept = step.queries[l] if l < len(step.queries) else None
+        assert kept is not None, "an evicting step's attention keeps the queries its policy declared"
+        parts.append(kept.index_select(0, flat[start:end] - l * entries.rows - step.first_row))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def load_kv(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from kvbench.policies.base import ScoreWrapper
@@ -22,8 +24,10 @@ class ValueAware(ScoreWrapper):
         self.p = float(p)
         self.feature_names = self.feature_names | {"value_norm"}
 
-    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        return super().features(keys, values) | {"value_norm": values.to(torch.float32).norm(p=self.p, dim=-1)}
+    def features(
+        self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        return super().features(keys, values, weights) | {"value_norm": values.to(torch.float32).norm(p=self.p, dim=-1)}
 
     def __call__(self, state: TokenState) -> torch.Tensor:
         return self.inner(state) * state.stats["value_norm"]
