@@ -35,7 +35,7 @@ from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.state import TokenState
-from kvbench.policies.statistics import forget
+from kvbench.policies.statistics import STATISTICS, Summed, declare, forget
 from kvbench.report.cli import main as report_main
 
 GUIDE = REPO / "docs" / "extending.md"
@@ -211,3 +211,9 @@ def test_a_score_reads_the_guides_statistic_in_a_run(entropy, tiny, random_ids) 
     assert policy.needs_attention
     generate(tiny.model, None, random_ids(30), policy, 10, "both", DecodeSettings(max_new_tokens=3), stride=8)
     assert seen and all(bool((s >= 0).all()) and float(s.sum()) > 0 for s in seen)
+
+
+def test_a_statistic_declared_in_a_second_place_is_refused_naming_both(entropy) -> None:
+    with pytest.raises(ValueError, match=r"'entropy' is declared twice: .*extending\.md:\d+ and .*test_extending\.py"):
+        declare(Summed("entropy", "another meaning"))
+    assert STATISTICS["entropy"].meaning.startswith("-p log p")
