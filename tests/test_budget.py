@@ -107,9 +107,9 @@ def test_minimum_is_what_the_scope_protects_plus_one():
 
 
 def test_scopes_size_fractional_windows_with_the_same_rounding():
-    from kvbench.policies.scopes.sinks_window import SinksAndWindow
+    from kvbench.policies.scopes.sinks_window import SinksWindow
 
     # H2O: a window of half the budget; 25 tokens -> 12.5 up = 13 recent, 12 left to the scores.
-    assert SinksAndWindow(n_sink=0, window=0.5).window_size(25) == 13
+    assert SinksWindow(n_sink=0, window=0.5).window_size(25) == 13
     # Capped at what the sinks leave: 4 sinks of a 10-token budget leave 6, below the 0.9 * 10 = 9 asked.
-    assert SinksAndWindow(n_sink=4, window=0.9).window_size(10) == 6
+    assert SinksWindow(n_sink=4, window=0.9).window_size(10) == 6

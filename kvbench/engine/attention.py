@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
 from kvbench.engine.visibility import Window, visibility
-from kvbench.policies.statistics import ATTENTION_STATS, SUMMED_STATS
+from kvbench.policies.statistics import Latest, Logged, Summed, attention_names, declared
 
 if TYPE_CHECKING:
     from kvbench.engine.cache.cache import KVCache
@@ -78,19 +78,17 @@ def _decode_statistics(
     """The statistics of one query's probabilities [rows, group, n]; ``counts`` [rows]: how many keys each row
     saw (None: all n)."""
     stats: dict[str, torch.Tensor] = {}
-    if not needs & ATTENTION_STATS:
+    if not attention_names(needs):
         return stats
     row = probs.mean(dim=1)  # GQA: the group's mean, [rows, n]
-    if "acc" in needs:
-        stats["acc"] = row
-    if "sumsq" in needs:
-        stats["sumsq"] = row.square()
-    if "last" in needs:
-        stats["last"] = row
-    if "qlog" in needs and history > 0:
-        stats["qlog"] = row.unsqueeze(1)
+    for summed in declared(needs, Summed):
+        stats[summed.name] = row if summed.of is None else summed.of(row)
+    for latest in declared(needs, Latest):
+        stats[latest.name] = row
+    for log in declared(needs, Logged) if history > 0 else ():
+        stats[log.name] = row.unsqueeze(1)
         hkv, n = row.shape
-        stats["qlog_nvis"] = (
+        stats[f"{log.name}_nvis"] = (
             torch.full((hkv, 1), float(n), device=row.device)
             if counts is None
             else counts.to(torch.float32).unsqueeze(1)
@@ -147,7 +145,7 @@ def kvbench_attention(
     policy = layer.policy
     needs = policy.needs if cache.collecting else frozenset()
     window = layer.step_window(size)
-    collecting = bool(needs & ATTENTION_STATS)
+    collecting = bool(attention_names(needs))
     if q == 1:
         # SDPA only for one unmasked sequence: for several, one batched product per row (docs/perf/batch.md).
         plain = query.shape[0] == 1 and layer.visible is None and window is None
@@ -162,14 +160,14 @@ def kvbench_attention(
                 ],
                 {},
             )
-        cache.after_attention(layer_idx, q, stats)
+        cache.after_attention(layer_idx, q, _with_queries(stats, cache, layer_idx, query))
         return output, None
     if query.shape[0] != 1:
         raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
     past = key.shape[2] - q
     # Statistics summed over every query: the output comes from the same blocked pass (one product of queries and
     # keys instead of SDPA's and a second one).
-    if softcap is not None or needs & SUMMED_STATS:
+    if softcap is not None or declared(needs, Summed):
         stats = attention_statistics(
             query,
             key,
@@ -183,7 +181,7 @@ def kvbench_attention(
             value,
         )
         output = stats.pop("output")
-        cache.after_attention(layer_idx, q, stats)
+        cache.after_attention(layer_idx, q, _with_queries(stats, cache, layer_idx, query))
         return output, None
     output = _sdpa(module, query, key, value, scaling, past, layer.visible, window)
     stats = (
@@ -191,8 +189,28 @@ def kvbench_attention(
         if collecting
         else {}
     )
-    cache.after_attention(layer_idx, q, stats)
+    cache.after_attention(layer_idx, q, _with_queries(stats, cache, layer_idx, query))
     return output, None
+
+
+def _with_queries(
+    stats: dict[str, torch.Tensor], cache: KVCache, layer_idx: int, query: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``stats`` plus, where the policy declared them (``Score.queries``) and the step evicts, the step's last
+    queries as ``queries`` [B × kv_heads, group, k, D]: as attention saw them, or with the model's RoPE undone."""
+    wants = cache.kv_layers[layer_idx].policy.queries
+    if wants is None or not cache.evicting:
+        return stats
+    b, hq, q, dim = query.shape
+    k = min(q, wants.last)
+    last = query[:, :, q - k :].clone()  # a copy: a view would hold the whole chunk's queries until the eviction
+    if not wants.rope:
+        rotaries = cache.inputs.rotaries
+        assert rotaries is not None, "the cache keeps the rotaries of a policy reading pre-RoPE queries"
+        positions = cache.step_model_positions[:, q - k :].unsqueeze(1)  # [B, 1, k]: where the model rotated them
+        last = rotaries[layer_idx].unrotate(last, positions)
+    hkv = cache.allocated.heads
+    return {**stats, "queries": last.reshape(b * hkv, hq // hkv, k, dim)}
 
 
 def _sdpa(

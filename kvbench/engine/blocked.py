@@ -19,6 +19,7 @@ import torch
 
 from kvbench.engine.visibility import Window, visibility
 from kvbench.engine.workers import split_across_threads
+from kvbench.policies.statistics import Latest, Logged, Summed, declared
 
 # Upper bound on attention-probability elements materialised at once (statistics, blocked output, masks).
 STATS_BLOCK_ELEMENTS = 1 << 22
@@ -58,12 +59,13 @@ def attention_statistics(
     softcap: float | None = None,
     value: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The per-token statistics the policy needs from this step's attention, per KV head and key:
+    """The per-token statistics ``needs`` names from this step's attention, per KV head and key, as each is
+    declared (``kvbench.policies.statistics``):
 
-    - ``acc`` / ``sumsq``: sums over the step's queries of the attention probability (and of its square);
-    - ``last``: the last query's row;
-    - ``qlog`` [hkv, r, n] and ``qlog_nvis`` [hkv, r]: the rows of the step's last r = min(q, history) queries
-      and how many keys each of them could see (the layer keeps them in a ring of ``history`` rows);
+    - each ``Summed`` one (``acc``, ``sumsq``, ...): its function of the probability, summed over the step's queries;
+    - each ``Latest`` one (``last``): the last query's row;
+    - the ``Logged`` one (``qlog`` [hkv, r, n] and ``qlog_nvis`` [hkv, r]): the rows of the step's last
+      r = min(q, history) queries and how many keys each of them could see (the layer keeps a ring of them);
     - ``output`` (only with ``value``): the attention output [1, q, hq, Dv] from the same probabilities.
 
     GQA: probabilities are computed per query head, then the query heads of a group are reduced to their
@@ -96,7 +98,9 @@ class _Step:
     visible_past: torch.Tensor | None
     window: Window | None
     softcap: float | None
-    needs: frozenset[str]
+    summed: tuple[Summed, ...]
+    latest: tuple[Latest, ...]
+    log: str | None  # the query log's name, if it is kept
     log_from: int  # the first query the query log keeps
     shifted: bool  # subtract each row's maximum before the exponential (else normalise unshifted sums)
 
@@ -126,11 +130,15 @@ def _blocked_pass(
     if value is not None:
         values = value[0].to(torch.float32)
         output = torch.empty(hkv, q, group, values.shape[-1], device=device)
-    log_from = q - min(q, history) if "qlog" in needs else q
-    step = _Step(queries, keys, values, output, past, visible_past, window, softcap, needs, log_from, shifted)
+    logs = declared(needs, Logged)
+    log = logs[0].name if logs else None
+    log_from = q - min(q, history) if log is not None else q
+    summed, latest = declared(needs, Summed), declared(needs, Latest)
+    step = _Step(
+        queries, keys, values, output, past, visible_past, window, softcap, summed, latest, log, log_from, shifted
+    )
     # Sums (and the output) need every query; the last row and the query log only the step's last queries.
-    sums = needs & {"acc", "sumsq"}
-    first = 0 if output is not None or sums else min(log_from, q - 1 if "last" in needs else q)
+    first = 0 if output is not None or summed else min(log_from, q - 1 if latest else q)
     blocks = list(query_blocks(first, q, past, n, hq, window))
     parts = split_across_threads(lambda share: _attend_blocks(step, share), blocks, device)
     out = _empty_statistics(step, hkv, q, n)
@@ -146,12 +154,10 @@ def _blocked_pass(
 
 def _empty_statistics(step: _Step, hkv: int, q: int, n: int) -> dict[str, torch.Tensor]:
     device = step.keys.device
-    out: dict[str, torch.Tensor] = {
-        name: torch.zeros(hkv, n, device=device) for name in ("acc", "sumsq", "last") if name in step.needs
-    }
-    if step.log_from < q:
-        out["qlog"] = torch.zeros(hkv, q - step.log_from, n, device=device)
-        out["qlog_nvis"] = torch.zeros(hkv, q - step.log_from, device=device)
+    out: dict[str, torch.Tensor] = {s.name: torch.zeros(hkv, n, device=device) for s in step.summed + step.latest}
+    if step.log is not None and step.log_from < q:
+        out[step.log] = torch.zeros(hkv, q - step.log_from, n, device=device)
+        out[f"{step.log}_nvis"] = torch.zeros(hkv, q - step.log_from, device=device)
     return out
 
 
@@ -198,7 +204,7 @@ def _attend_blocks(step: _Step, blocks: Sequence[tuple[int, int, int]]) -> tuple
             torch.bmm(logits, step.values[:, lo:hi], out=block_output)
             if inverse is not None:
                 block_output.mul_(inverse)
-        _fold_block(out, grid, inverse, lo, hi, start, end, q, step.log_from, nvis)
+        _fold_block(step, out, grid, inverse, lo, hi, start, end, nvis)
     in_range = not smallest or bool(torch.stack(smallest).min() > TINY_SUM and torch.stack(biggest).max().isfinite())
     return out, in_range
 
@@ -219,6 +225,7 @@ def _group_mean(grid: torch.Tensor, inverse: torch.Tensor | None, rows: slice = 
 
 
 def _fold_block(
+    step: _Step,
     out: dict[str, torch.Tensor],
     grid: torch.Tensor,
     inverse: torch.Tensor | None,
@@ -226,32 +233,34 @@ def _fold_block(
     hi: int,
     start: int,
     end: int,
-    q: int,
-    log_from: int,
     nvis: torch.Tensor,
 ) -> None:
     """Add one block's probabilities [hkv, rows, group, cols] (keys ``lo`` to ``hi``; unnormalised where
-    ``inverse`` is given) to the statistics; the block's buffer is not read again, so the sums may overwrite it."""
+    ``inverse`` is given) to the statistics, each as declared; the block's buffer is not read again."""
     hkv, rows, group, cols = grid.shape
-    wants_last, wants_log = "last" in out and end == q, "qlog" in out and end > log_from
+    q, log_from, log = step.queries.shape[1], step.log_from, step.log
+    wants_last, wants_log = bool(step.latest) and end == q, log is not None and end > log_from
     if wants_last or wants_log:  # the group's mean of the rows they read (the step's last queries)
         low = max(start, log_from) if wants_log else end - 1
         mean = _group_mean(grid, inverse, slice(low - start, None))
-        if wants_last:
-            out["last"][:, lo:hi] = mean[:, -1]
+        for latest in step.latest if wants_last else ():
+            out[latest.name][:, lo:hi] = mean[:, -1]
         if wants_log:
-            out["qlog"][:, low - log_from : end - log_from, lo:hi] = mean
-            out["qlog_nvis"][:, low - log_from : end - log_from] = nvis[:, low - start :].expand(hkv, -1)
-    if "sumsq" in out:  # needs the group's mean for every query: the sum of the squares is of the mean
+            assert log is not None, "a block that logs has a log"
+            out[log][:, low - log_from : end - log_from, lo:hi] = mean
+            out[f"{log}_nvis"][:, low - log_from : end - log_from] = nvis[:, low - start :].expand(hkv, -1)
+    if any(s.of is not None for s in step.summed):  # a function of each query's group mean: every query's mean
         mean = _group_mean(grid, inverse)
         ones = torch.ones(hkv, 1, rows, device=grid.device)
-        if "acc" in out:
-            out["acc"][:, lo:hi] += torch.bmm(ones, mean).view(hkv, cols)
-        out["sumsq"][:, lo:hi] += torch.bmm(ones, mean.square_()).view(hkv, cols)
-    elif "acc" in out:  # one product: the sum over the block's queries and the group's heads, each row weighted
+        for summed in step.summed:
+            value = mean if summed.of is None else summed.of(mean)
+            out[summed.name][:, lo:hi] += torch.bmm(ones, value).view(hkv, cols)
+    elif step.summed:  # the probabilities alone: one product sums the block's queries and the group's heads
         weights = (
             torch.full((hkv, 1, rows * group), 1.0 / group, device=grid.device)
             if inverse is None
             else inverse.transpose(1, 2) / group
         )
-        out["acc"][:, lo:hi] += torch.bmm(weights, grid.view(hkv, rows * group, cols)).view(hkv, cols)
+        total = torch.bmm(weights, grid.view(hkv, rows * group, cols)).view(hkv, cols)
+        for summed in step.summed:
+            out[summed.name][:, lo:hi] += total

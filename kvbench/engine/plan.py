@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.policies.base import Policy
-from kvbench.policies.scopes.everything import Everything
+from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.recency import Recency
 
 
@@ -89,7 +89,7 @@ def window_only(policy: Policy) -> Policy:
     return Policy(
         name=policy.name,
         score=Recency(),
-        scope=Everything(),
+        scope=All(),
         evicts=False,
         quantize=policy.quantize,
         positions=policy.positions,

@@ -24,8 +24,10 @@ Extras compose with any of them: ``merge: true`` (merge.py), ``quantize: int8|fp
 ``positions: reindex`` (positions.py).
 
 Adding a part is adding a module: a ``Score`` in ``scores/`` registered with ``@register_score("name")`` (it
-declares the statistics it ``needs``, its ``history`` if it reads the query log, its ``unsupported_stages``), a
-``Scope`` in ``scopes/`` (``@register_scope``) or an ``Allocation`` in ``allocations/``
-(``@register_allocation``), plus a config naming the parts (docs/extending.md). The statistics and where they
-come from are listed in ``statistics.py``; they are per KV head, a GQA group's query heads reduced by their mean.
+declares the statistics it ``needs``, its ``history`` if it reads the query log, its ``unsupported_stages``, its
+running ``row_sums``), a ``Scope`` in ``scopes/`` (``@register_scope``) or an ``Allocation`` in ``allocations/``
+(``@register_allocation``), plus a config naming the parts (docs/extending.md). Every part reads a layer as a
+``TokenState`` (``state.py``): dense rows per KV head, padding handled. The statistics are declared one module
+each in ``statistics/``, with how each is reduced; they are per KV head, a GQA group's query heads reduced by
+their mean.
 """

@@ -11,13 +11,16 @@ Named policies only choose the parts (configs/policy/*.yaml).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvbench.policies.inputs import WEIGHTS, Queries
+from kvbench.policies.running import RowSum
 from kvbench.policies.state import TokenState
-from kvbench.policies.statistics import ATTENTION_STATS
+from kvbench.policies.statistics import attention_names
 
 POSITION_MODES = ("absolute", "reindex")
 SLIDING_MODES = ("window", "evict")
@@ -36,19 +39,60 @@ class Score(ABC):
     # Per-entry quantities fixed when an entry is written (``features``), kept beside the statistics so that
     # a score reads them instead of recomputing them from every held key or value at every step.
     feature_names: frozenset[str] = frozenset()
+    # Per-row running sums the cache keeps up to date as entries come and go (``TokenState.row_sums``).
+    row_sums: tuple[RowSum, ...] = ()
+    # The evicting step's queries the score reads (``TokenState.queries``), or None.
+    queries: Queries | None = None
+    # Layer weights its ``features`` read (names of ``policies.inputs.WEIGHTS``).
+    weights: frozenset[str] = frozenset()
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
-        """Scores, float [kv_heads, n]."""
+        """Scores, float [kv_heads, n]. Padding (``state.valid``) may score anything: it is never kept."""
 
-    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{name: [H, q]} for new entries, keys/values [H, q, D] as stored (``feature_names``)."""
+    def features(
+        self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """{name: [r, q]} for new entries, keys/values [r, q, D] as stored (``feature_names``). ``weights``: the
+        layer's weights the score declared (``weights``), by name; a score that declares some gets the entries of
+        one KV head per call, and that head's part of each weight (``policies.inputs.WEIGHTS``)."""
         return {}
 
     def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
         """What the query log keeps of the newest queries: probs [H, r, n] (GQA group-mean attention rows,
         0 where a key was not visible), nvis [H, r] (keys each query saw). The rows themselves by default."""
         return probs
+
+
+# What a score declares, so that a wrapper forwards all of it (``ScoreWrapper``).
+DECLARATIONS = (
+    "needs",
+    "history",
+    "unsupported_stages",
+    "why_unsupported",
+    "feature_names",
+    "row_sums",
+    "queries",
+    "weights",
+)
+
+
+class ScoreWrapper(Score):
+    """A score computed from another (``inner``): it declares what the inner score declares, features and query
+    log rows included, so a wrapper states only what it adds."""
+
+    def __init__(self, inner: Score):
+        self.inner = inner
+        for name in DECLARATIONS:
+            setattr(self, name, getattr(inner, name))
+
+    def features(
+        self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        return self.inner.features(keys, values, weights)
+
+    def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
+        return self.inner.log_rows(probs, nvis)
 
 
 class Scope(ABC):
@@ -129,6 +173,11 @@ class Policy:
             raise ValueError(f"sliding_layers {self.sliding_layers!r} must be one of {SLIDING_MODES}")
         if self.unsupported_stages is None:
             self.unsupported_stages = tuple(self.score.unsupported_stages) if self.evicts else ()
+        unknown = sorted(set(self.score.weights) - set(WEIGHTS))
+        if unknown:
+            raise ValueError(
+                f"score {type(self.score).__name__} reads unknown weight(s) {unknown}; known: {sorted(WEIGHTS)}"
+            )
 
     @property
     def needs(self) -> frozenset[str]:
@@ -140,14 +189,31 @@ class Policy:
 
     @property
     def needs_attention(self) -> bool:
-        return bool(self.needs & ATTENTION_STATS)
+        return bool(attention_names(self.needs))
 
     @property
     def feature_names(self) -> frozenset[str]:
         return self.score.feature_names if self.evicts else frozenset()
 
-    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.score.features(keys, values)
+    def features(
+        self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        return self.score.features(keys, values, weights)
+
+    @property
+    def queries(self) -> Queries | None:
+        """The evicting step's queries the score reads (None for a cache that never evicts)."""
+        return self.score.queries if self.evicts else None
+
+    @property
+    def weights(self) -> frozenset[str]:
+        """Layer weights the score's features read (none for a cache that never evicts)."""
+        return self.score.weights if self.evicts else frozenset()
+
+    @property
+    def row_sums(self) -> tuple[RowSum, ...]:
+        """Running per-row sums the layers keep for this policy (none for a cache that never evicts)."""
+        return self.score.row_sums if self.evicts else ()
 
     @property
     def history(self) -> int:

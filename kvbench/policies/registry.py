@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from kvbench.policies.base import Policy
 from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES, PartRegistry
 from kvbench.policies.quantize import build_quantizer
-from kvbench.policies.scopes.everything import Everything
+from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.recency import Recency
 from kvbench.policies.scores.shared import SharedAcrossHeads
 from kvbench.policies.statistics import STATISTICS
@@ -73,7 +73,7 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         return Policy(
             name=name,
             score=Recency(),
-            scope=Everything(),
+            scope=All(),
             evicts=False,
             quantize=quantize,
             positions=positions,

@@ -1,4 +1,5 @@
-"""What a layer holds, as the policy parts see it: positions, statistics, keys and values, per KV head."""
+"""What a layer holds, as the policy parts see it: one dense row per KV head of positions, statistics, features,
+keys and values, with each row's padding zeroed, never kept, and left out of the view's sums and means."""
 
 from __future__ import annotations
 
@@ -30,25 +31,27 @@ class Stats(dict):
 
 
 class TokenState:
-    """What a layer holds right now, per KV head.
+    """What a layer holds right now: one row per KV head, the view every score, scope and allocation reads.
 
-    ``positions`` [H, n] (absolute sequence positions), ``stats`` {name: [H, n]} (attention statistics and the
-    score's write-time features) plus, when a score keeps a query log, ``qlog`` [H, W, n] (the rows as the
-    score's ``log_rows`` made them) and ``qlog_nvis`` [H, W]; ``keys``/``values`` [H, n, D] (loaded lazily:
-    quantised or pooled layers only dequantise/gather them when a part reads them).
+    Per row: ``positions`` [H, n] (absolute sequence positions), ``stats`` {name: [H, n]} (the statistics and
+    write-time features the parts declared), ``keys``/``values`` [H, n, D] (loaded when first read), ``row_sums``
+    {name: [H, F]} (declared running quantities, see ``policies.running``), ``queries`` [H, group, k, D] (the
+    evicting step's last queries, where the score declared them: ``policies.inputs.Queries``) and, when a score
+    keeps a query log, ``stats["qlog"]`` [H, W, n] (the rows as its ``log_rows`` made them).
 
-    ``valid`` is None when every head holds the same ``n`` tokens. Under per-head allocation heads hold
-    different counts; the state is then padded to the longest head and ``valid`` [H, n] marks real entries:
-    each head's entries are front-aligned and in sequence order, padding comes after them. Padding entries
-    have zero statistics and are never protected or kept.
+    Rows may hold different counts (per-head allocation): each row's entries then come first, in sequence order,
+    and padding fills the rest up to the longest row. A part need not know: padding reads as zero everywhere
+    (statistics, features, keys, values), ``sum`` and ``mean`` leave it out, and ``Policy`` never keeps it,
+    whatever the score gives it. ``valid`` [H, n] marks the real entries (None: no padding; ``valid_mask()``
+    always gives a mask) and ``lengths()`` counts them, for the parts that want them.
 
     ``phase`` is "prefill" while the prompt is being encoded and "decode" while tokens are generated.
-    ``derived`` presets quantities of ``derived()`` that the cache can compute more cheaply itself, ``lengths``
-    the count per row. The rows come in ``units`` equal blocks, one per (layer, sequence): the KV heads of one
-    layer of one sequence. A part that mixes rows (a split across heads, a kept set shared by heads) mixes those
-    of one unit only. ``window`` (a sliding-window layer's) and ``seen`` (tokens fed so far, [rows, 1] or an int):
-    the next query sees only entries at positions above ``seen - window``. ``seed`` and ``row_keys`` ([rows, 1]:
-    each row's layer and head, the same for a sequence in any batch) seed random scores.
+    ``window`` (a sliding-window layer's) and ``seen`` (tokens fed so far, [rows, 1] or an int): the next query
+    sees only entries at positions above ``seen - window``. ``seed`` and ``row_keys`` ([rows, 1]: each row's
+    layer and head, the same for a sequence in any batch) seed random scores. The rows come in ``units`` equal
+    blocks, one per (layer, sequence): a part that mixes rows (a split across heads, a kept set shared by heads)
+    mixes those of one unit only (``per_unit``). ``derived`` presets quantities of ``derived()`` that the cache
+    computes more cheaply itself, ``lengths`` the count per row.
     """
 
     def __init__(
@@ -67,12 +70,15 @@ class TokenState:
         seen: torch.Tensor | int | None = None,
         seed: int = 0,
         row_keys: torch.Tensor | None = None,
+        row_sums: dict[str, torch.Tensor] | None = None,
+        queries: torch.Tensor | None = None,
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} must be one of {PHASES}")
-        self._keys, self._values, self._load_kv = keys, values, load_kv
+        self._kv = None if keys is None or values is None else (keys, values)
+        self._load_kv = load_kv
         self.positions = positions
         self.stats = stats or {}
         self.phase = phase
@@ -85,6 +91,9 @@ class TokenState:
         self.row_keys = (
             row_keys if row_keys is not None else torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
         )
+        self.row_sums = row_sums or {}
+        self.queries = queries
+        self._zeroed = False
 
     def outside_window(self) -> torch.Tensor | None:
         """Bool [H, n]: entries the next query cannot see (a sliding-window layer's), or None."""
@@ -100,23 +109,44 @@ class TokenState:
         return self._derived[name]
 
     def _loaded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._load_kv is None:
-            raise ValueError("this TokenState carries no keys/values")
-        keys, values = self._load_kv()
-        self._load_kv = None
-        return keys, values
+        """Keys and values, padding zeroed (loaded on the first read)."""
+        if self._kv is None:
+            if self._load_kv is None:
+                raise ValueError("this TokenState carries no keys/values")
+            self._kv, self._load_kv = self._load_kv(), None
+        if not self._zeroed:
+            self._kv = (self.masked(self._kv[0]), self.masked(self._kv[1]))
+            self._zeroed = True
+        return self._kv
 
     @property
     def keys(self) -> torch.Tensor:
-        if self._keys is None:
-            self._keys, self._values = self._loaded()
-        return self._keys
+        """[H, n, D] in sequence order, zero on padding."""
+        return self._loaded()[0]
 
     @property
     def values(self) -> torch.Tensor:
-        if self._values is None:
-            self._keys, self._values = self._loaded()
-        return self._values
+        """[H, n, Dv] in sequence order, zero on padding."""
+        return self._loaded()[1]
+
+    def masked(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [H, n, ...] with its padding set to zero (``x`` itself when there is none)."""
+        if self.valid is None:
+            return x
+        return x.masked_fill(~self.valid.view(*self.valid.shape, *(1,) * (x.dim() - 2)), 0)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per row, ``x`` [H, n, ...] summed over the row's entries (padding left out): [H, ...]."""
+        return self.masked(x).sum(dim=1)
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Per row, the mean of ``x`` [H, n, ...] over the row's entries (padding left out): [H, ...]."""
+        count = self.lengths().clamp_min(1).to(x.dtype if x.is_floating_point() else torch.float32)
+        return self.sum(x) / count.view(-1, *(1,) * (x.dim() - 2))
+
+    def per_unit(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [H, ...] as [units, heads, ...]: the rows of each (layer, sequence) together."""
+        return x.reshape(self.units, -1, *x.shape[1:])
 
     @property
     def length(self) -> int:

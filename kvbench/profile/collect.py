@@ -20,24 +20,26 @@ from transformers import AttentionInterface
 
 from kvbench.engine.attention import family_arguments
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
+from kvbench.engine.score_inputs import ATTRIBUTES, attention_weights
 from kvbench.engine.visibility import Window, visibility
 from kvbench.families import layer_windows
+from kvbench.policies.statistics import STATISTICS, attention_names
 from kvbench.profile import measures
 
 PROFILE_ATTN = "kvbench_profile"
-# The engine statistics every score reads at the end of the prompt (``count`` and features are derived later).
-PROMPT_STATS = frozenset({"acc", "sumsq", "last", "qlog"})
 
 
 @dataclass
 class PromptEnd:
     """What a layer's policy would see once the prompt is encoded: the engine's statistics over the prompt's
-    queries, [H, P] (``qlog`` [H, history, P]), and the prompt's keys and values [H, P, D]."""
+    queries, [H, P] (``qlog`` [H, history, P]), the prompt's keys and values [H, P, D], and the layer's weights a
+    score may declare (``policies.inputs.WEIGHTS``: those the family's attention has)."""
 
     stats: dict[str, torch.Tensor]
     keys: torch.Tensor
     values: torch.Tensor
     window: int | None
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,9 +97,18 @@ def profile_attention(
     profile = _profile(query, key, scaling, window, softcap, p, recorder)
     prompt_window = _window(size, p, key.device)
     end = attention_statistics(
-        query[:, :, :p], key[:, :, :p], scaling, 0, None, PROMPT_STATS, recorder.history, prompt_window, softcap
+        query[:, :, :p],
+        key[:, :, :p],
+        scaling,
+        0,
+        None,
+        attention_names(STATISTICS),
+        recorder.history,
+        prompt_window,
+        softcap,
     )
-    prompt_end = PromptEnd(end, key[0, :, :p], value[0, :, :p], size)
+    weights = attention_weights(module, frozenset(n for n, a in ATTRIBUTES.items() if hasattr(module, a)))
+    prompt_end = PromptEnd(end, key[0, :, :p], value[0, :, :p], size, weights)
     recorder.results[layer] = recorder.on_layer(layer, profile, prompt_end)
     return output, None
 

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.engine.score_inputs import per_head
 from kvbench.engine.sequence import resolve_budget
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.state import TokenState
+from kvbench.policies.statistics import FromPositions, declared, stored_names
 from kvbench.profile.collect import PromptEnd
 from kvbench.profile.measures import attention_recall, oracle_recall
 
@@ -60,13 +62,19 @@ def prompt_state(end: PromptEnd, policy: Policy, layer: int, seed: int = 0) -> T
     """The layer's state at the end of the prompt as the policy's parts would read it."""
     heads, length = end.keys.shape[0], end.keys.shape[1]
     positions = torch.arange(length, device=end.keys.device).expand(heads, length)
-    stats = {name: end.stats[name] for name in ("acc", "sumsq", "last")}
-    stats["count"] = (length - positions).to(torch.float32)
+    stats = {name: end.stats[name] for name in stored_names(end.stats)}  # every declared attention statistic
+    for computed in declared(policy.needs, FromPositions):
+        stats[computed.name] = computed.of(torch.full((heads, 1), length, device=positions.device), positions)
     history = policy.history
     if history:
         rows, nvis = end.stats["qlog"][:, -history:], end.stats["qlog_nvis"][:, -history:]
         stats["qlog"] = policy.score.log_rows(rows, nvis)
-    stats.update(policy.features(end.keys, end.values))
+    if policy.queries is not None:
+        raise ValueError(f"policy {policy.name!r} reads the step's queries, which profiling does not record")
+    weights = {name: w for name, w in end.weights.items() if name in policy.weights}
+    for at, part in per_head(weights, torch.arange(heads, device=end.keys.device), heads):
+        for name, value in policy.features(end.keys[at], end.values[at], part).items():
+            stats.setdefault(name, value.new_zeros(heads, value.shape[-1]))[at] = value
     return TokenState(
         keys=end.keys,
         values=end.values,

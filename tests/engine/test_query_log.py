@@ -14,8 +14,8 @@ from kvbench.engine.cache.query_log import QueryLog
 from kvbench.engine.plan import LayerPlan
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy
-from kvbench.policies.scopes.everything import Everything
-from kvbench.policies.scores.snapkv import ObservationWindow
+from kvbench.policies.scopes.everything import All
+from kvbench.policies.scores.snapkv import SnapKV
 
 HEADS, DIM, HISTORY, BUDGET = 2, 4, 5, 7
 
@@ -30,7 +30,7 @@ def reference_sums(log: dict[int, list[tuple[int, float]]], fed: int, held: list
 @pytest.mark.parametrize("kernel", [1, 3])
 def test_running_sum_follows_entries_through_evictions(kernel, allocation, chunks):
     g = torch.Generator().manual_seed(kernel)
-    policy = Policy("snap", ObservationWindow(window=HISTORY, kernel_size=kernel), Everything(), allocation=allocation)
+    policy = Policy("snap", SnapKV(window=HISTORY, kernel_size=kernel), All(), allocation=allocation)
     plans = [LayerPlan(BUDGET, prefill=16, decode=16, total=64)]
     cache = KVCache([plans], policy)
     cache.assign(0, plans)

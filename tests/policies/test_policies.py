@@ -21,7 +21,7 @@ from kvbench.engine.plan import LayerPlan
 from kvbench.policies.derived import attention_variance, mean_attention
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.robust import Robust
-from kvbench.policies.scopes.sinks_window import SinksAndWindow
+from kvbench.policies.scopes.sinks_window import SinksWindow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
@@ -102,7 +102,7 @@ def test_tiny_configs_cap_token_counts_and_nothing_else():
 def protected_positions(policy, budget: int, fed: int) -> set[int]:
     """Positions the scope must hold after an evicting step that has fed positions 0..fed-1."""
     scope = policy.scope
-    if isinstance(scope, SinksAndWindow):
+    if isinstance(scope, SinksWindow):
         sinks, window = min(scope.n_sink, budget), scope.window_size(budget)
     elif isinstance(scope, Robust):
         sinks = min(scope.n_sink, budget)

@@ -6,10 +6,10 @@ import torch
 
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import build_policy
-from kvbench.policies.scopes.everything import Everything
-from kvbench.policies.scopes.sinks_window import SinksAndWindow
+from kvbench.policies.scopes.everything import All
+from kvbench.policies.scopes.sinks_window import SinksWindow
 from kvbench.policies.scores.recency import Recency
-from kvbench.policies.scores.uniform_random import RandomScore
+from kvbench.policies.scores.uniform_random import Random
 from kvbench.policies.state import TokenState
 
 
@@ -22,7 +22,7 @@ def state(positions: list[list[int]], seed: int = 0) -> TokenState:
 def test_recency_keeps_newest_per_head():
     # Head 0 holds positions 0..5, head 1 holds a sparser set; budget 3 keeps the three largest positions.
     s = state([[0, 1, 2, 3, 4, 5], [0, 2, 7, 8, 11, 12]])
-    keep = Policy("window", Recency(), Everything()).partition(s, 3)[0]
+    keep = Policy("window", Recency(), All()).partition(s, 3)[0]
     assert keep.tolist() == [[3, 4, 5], [3, 4, 5]]
     assert s.positions.gather(1, keep).tolist() == [[3, 4, 5], [8, 11, 12]]
 
@@ -30,7 +30,7 @@ def test_recency_keeps_newest_per_head():
 def test_sinks_and_window_protects_first_and_last():
     # 10 tokens, budget 6, 2 sinks, window 2 -> protected {0,1} and {8,9}; recency fills the other 2 with {6,7}.
     s = state([list(range(10))])
-    scope = SinksAndWindow(n_sink=2, window=2)
+    scope = SinksWindow(n_sink=2, window=2)
     assert scope.protected(s, 6).nonzero()[:, 1].tolist() == [0, 1, 8, 9]
     keep = Policy("p", Recency(), scope).partition(s, 6)[0]
     assert keep.tolist() == [[0, 1, 6, 7, 8, 9]]
@@ -43,12 +43,12 @@ def test_protection_beats_score():
             return -super().__call__(st)
 
     s = state([list(range(8))])
-    keep = Policy("p", Oldest(), SinksAndWindow(n_sink=0, window=3)).partition(s, 4)[0]
+    keep = Policy("p", Oldest(), SinksWindow(n_sink=0, window=3)).partition(s, 4)[0]
     assert keep.tolist() == [[0, 5, 6, 7]]
 
 
 def test_window_fraction_of_budget_and_sink_cap():
-    scope = SinksAndWindow(n_sink=4, window=0.5)
+    scope = SinksWindow(n_sink=4, window=0.5)
     assert scope.window_size(10) == 5
     assert scope.window_size(6) == 2  # capped at budget - sinks
     assert scope.min_budget() == 5
@@ -65,7 +65,7 @@ def test_streamingllm_keeps_sinks_plus_recent():
 
 def test_random_is_seeded_uniform_and_sorted():
     s1, s2, s3 = state([list(range(50))], seed=1), state([list(range(50))], seed=1), state([list(range(50))], seed=2)
-    p = Policy("random", RandomScore(), Everything())
+    p = Policy("random", Random(), All())
     k1, k2, k3 = p.partition(s1, 10)[0], p.partition(s2, 10)[0], p.partition(s3, 10)[0]
     assert torch.equal(k1, k2) and not torch.equal(k1, k3)
     assert torch.equal(k1, k1.sort().values) and len(set(k1[0].tolist())) == 10
@@ -102,10 +102,10 @@ from kvbench.policies.scopes.robust import Robust  # noqa: E402
 from kvbench.policies.scores.accumulated import Accumulated  # noqa: E402
 from kvbench.policies.scores.hits import Hits  # noqa: E402
 from kvbench.policies.scores.key_norm import KeyNorm  # noqa: E402
-from kvbench.policies.scores.last_query import LastQuery  # noqa: E402
-from kvbench.policies.scores.mean import MeanAttention  # noqa: E402
+from kvbench.policies.scores.last_query import Last  # noqa: E402
+from kvbench.policies.scores.mean import Mean  # noqa: E402
 from kvbench.policies.scores.shared import SharedAcrossHeads  # noqa: E402
-from kvbench.policies.scores.snapkv import ObservationWindow, pool_neighbours  # noqa: E402
+from kvbench.policies.scores.snapkv import SnapKV, pool_neighbours  # noqa: E402
 from kvbench.policies.scores.value_aware import ValueAware  # noqa: E402
 
 RNG = np.random.default_rng(7)
@@ -124,7 +124,7 @@ def rich_state(phase: str = "prefill", score: Score | None = None) -> TokenState
     t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
     keys, values = t(KEYS), t(VALUES)
     qlog = t(QLOG) if score is None else score.log_rows(t(QLOG), t(NVIS))
-    features = {} if score is None else score.features(keys, values)
+    features = {} if score is None else score.features(keys, values, {})
     stats = {"acc": t(ACC), "count": t(COUNT), "last": t(LAST), "qlog": qlog, "qlog_nvis": t(NVIS)} | features
     return TokenState(keys=keys, values=values, positions=torch.arange(N).repeat(H, 1), stats=stats, phase=phase)
 
@@ -149,21 +149,21 @@ def np_window_pool(x: np.ndarray, k: int, kind: str, window: np.ndarray) -> np.n
 
 REFERENCES = {
     "accumulated": (Accumulated(), ACC),
-    "mean": (MeanAttention(), ACC / COUNT),
-    "last": (LastQuery(), LAST),
+    "mean": (Mean(), ACC / COUNT),
+    "last": (Last(), LAST),
     "hits": (Hits(history=W, threshold=1.5), ((QLOG >= 1.5 / NVIS[..., None]) & (QLOG > 0)).sum(1)),
     "snapkv_avg": (
-        ObservationWindow(window=W, kernel_size=3, pooling="avg"),
+        SnapKV(window=W, kernel_size=3, pooling="avg"),
         np_window_pool(QLOG.sum(1), 3, "avg", COUNT <= W),
     ),
     "snapkv_max": (
-        ObservationWindow(window=W, kernel_size=5, pooling="max"),
+        SnapKV(window=W, kernel_size=5, pooling="max"),
         np_window_pool(QLOG.sum(1), 5, "max", COUNT <= W),
     ),
     "key_norm": (KeyNorm(), -np.linalg.norm(KEYS, axis=-1)),
     "value_aware": (ValueAware(base="accumulated", p=1), ACC * np.abs(VALUES).sum(-1)),
     "value_aware_mean_l2": (ValueAware(base="mean", p=2), ACC / COUNT * np.linalg.norm(VALUES, axis=-1)),
-    "tova_shared": (SharedAcrossHeads(LastQuery()), np.tile(LAST.mean(0), (H, 1))),
+    "tova_shared": (SharedAcrossHeads(Last()), np.tile(LAST.mean(0), (H, 1))),
 }
 
 
@@ -173,7 +173,7 @@ def test_score_matches_numpy_reference_and_keeps_its_top_k(name):
     got = score(rich_state(score=score)).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     budget = 4
-    keep = Policy(name, score, Everything()).partition(rich_state(score=score), budget)[0].numpy()
+    keep = Policy(name, score, All()).partition(rich_state(score=score), budget)[0].numpy()
     for h in range(H):
         ranked = np.argsort(-expected[h], kind="stable")
         if expected[h][ranked[budget - 1]] == expected[h][ranked[budget]]:
@@ -196,7 +196,7 @@ def test_hits_worked_by_hand():
         positions=torch.arange(5).view(1, 5), stats={"qlog": hits.log_rows(rows.view(1, 4, 5), nvis), "qlog_nvis": nvis}
     )
     assert hits(s).tolist() == [[4, 0, 2, 1, 3]]
-    assert Policy("sh", hits, Everything()).partition(s, 2)[0].tolist() == [[0, 4]]
+    assert Policy("sh", hits, All()).partition(s, 2)[0].tolist() == [[0, 4]]
     # Slots never written (nvis 0) hit nothing.
     empty = TokenState(
         positions=torch.arange(5).view(1, 5),
@@ -211,12 +211,8 @@ def test_snapkv_pooling_brings_neighbours():
     s = TokenState(
         positions=torch.arange(8).view(1, 8), stats={"qlog": obs.view(1, 1, 8), "qlog_nvis": torch.ones(1, 1)}
     )
-    assert Policy("s", ObservationWindow(window=1, kernel_size=3), Everything()).partition(s, 3)[0].tolist() == [
-        [2, 3, 4]
-    ]
-    assert Policy("s", ObservationWindow(window=1, kernel_size=1), Everything()).partition(s, 3)[0].tolist() == [
-        [3, 5, 7]
-    ]
+    assert Policy("s", SnapKV(window=1, kernel_size=3), All()).partition(s, 3)[0].tolist() == [[2, 3, 4]]
+    assert Policy("s", SnapKV(window=1, kernel_size=1), All()).partition(s, 3)[0].tolist() == [[3, 5, 7]]
 
 
 @pytest.mark.parametrize("kernel", [3, 5, 7])
@@ -276,7 +272,7 @@ def test_scopes_on_heads_of_different_lengths():
     valid = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
     s = TokenState(positions=torch.tensor([[0, 1, 2, 3, 4, 5], [0, 2, 5, 9, 0, 0]]), stats={}, valid=valid)
     assert last_n(s, 2).tolist() == [[False] * 4 + [True] * 2, [False, False, True, True, False, False]]
-    assert SinksAndWindow(n_sink=1, window=1).protected(s, 3).nonzero().tolist() == [[0, 0], [0, 5], [1, 0], [1, 3]]
+    assert SinksWindow(n_sink=1, window=1).protected(s, 3).nonzero().tolist() == [[0, 0], [0, 5], [1, 0], [1, 3]]
 
 
 def test_pyramid_budgets_by_hand():
@@ -417,10 +413,10 @@ def test_attention_statistics_match_dense_reference_in_any_block_size(block, mon
 @pytest.mark.parametrize(
     "scope",
     [
-        Everything(),
-        SinksAndWindow(n_sink=2, window=3),
-        SinksAndWindow(n_sink=0, window=0.5),
-        SinksAndWindow(n_sink=4, window=0),
+        All(),
+        SinksWindow(n_sink=2, window=3),
+        SinksWindow(n_sink=0, window=0.5),
+        SinksWindow(n_sink=4, window=0),
         Robust(n_sink=2, n_recent=3, rho_decode=0.4),
     ],
 )

@@ -13,9 +13,9 @@ from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.plan import LayerPlan
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy
-from kvbench.policies.scopes.everything import Everything
-from kvbench.policies.scopes.sinks_window import SinksAndWindow
-from kvbench.policies.scores.snapkv import ObservationWindow, pool_neighbours
+from kvbench.policies.scopes.everything import All
+from kvbench.policies.scopes.sinks_window import SinksWindow
+from kvbench.policies.scores.snapkv import SnapKV, pool_neighbours
 from kvbench.policies.state import TokenState
 
 
@@ -63,7 +63,7 @@ def hand_state(with_count: bool = True) -> TokenState:
 @pytest.mark.parametrize("with_count", [True, False])
 @pytest.mark.parametrize("pooling, expected", [("avg", HAND_AVG), ("max", HAND_MAX)])
 def test_snapkv_scores_worked_by_hand_at_the_window_boundary(pooling, expected, with_count):
-    score = ObservationWindow(window=3, kernel_size=3, pooling=pooling)
+    score = SnapKV(window=3, kernel_size=3, pooling=pooling)
     got = score(hand_state(with_count))
     torch.testing.assert_close(got, torch.tensor([expected]), rtol=0, atol=1e-6)
     # The prefix is exactly SnapKV's pooling of the prefix columns alone.
@@ -75,10 +75,10 @@ def test_snapkv_keeps_by_the_prefix_alone_with_the_window_protected():
     """SnapKV's configuration (the window protected by the scope): budget 4 keeps the window and the prefix's best.
     avg: position 1 (3); pooling over every entry would have kept position 6 (5, the window's 12 spilling in).
     max at budget 6: positions 1, 2, 3 (6 each); over every entry position 6 (12) would have been among them."""
-    scope = SinksAndWindow(n_sink=0, window=3)
-    avg = Policy("snapkv", ObservationWindow(window=3, kernel_size=3, pooling="avg"), scope)
+    scope = SinksWindow(n_sink=0, window=3)
+    avg = Policy("snapkv", SnapKV(window=3, kernel_size=3, pooling="avg"), scope)
     assert avg.partition(hand_state(), 4)[0].tolist() == [[1, 7, 8, 9]]
-    high = Policy("snapkv", ObservationWindow(window=3, kernel_size=3, pooling="max"), scope)
+    high = Policy("snapkv", SnapKV(window=3, kernel_size=3, pooling="max"), scope)
     assert high.partition(hand_state(), 6)[0].tolist() == [[1, 2, 3, 7, 8, 9]]
 
 
@@ -95,7 +95,7 @@ def test_window_is_found_by_count_not_by_index():
             "count": (12 - positions).to(torch.float32),
         },
     )
-    got = ObservationWindow(window=3, kernel_size=3, pooling="avg")(state)
+    got = SnapKV(window=3, kernel_size=3, pooling="avg")(state)
     # prefix [3, 0, 0, 6, 0, 3]: 3/3, 3/3, 6/3, 6/3, 9/3, 3/3 (position 8 does not read the 12 of position 10);
     # the window [12, 9] unpooled
     torch.testing.assert_close(got, torch.tensor([[1.0, 1.0, 2.0, 2.0, 3.0, 1.0, 12.0, 9.0]]), rtol=0, atol=1e-6)
@@ -136,12 +136,12 @@ def test_padding_pools_as_before_and_is_never_the_window(pooling):
         valid=valid,
         stats={"qlog": summed.unsqueeze(1), "qlog_nvis": torch.ones(2, 1), "count": count},
     )
-    score = ObservationWindow(window=4, kernel_size=5, pooling=pooling)
+    score = SnapKV(window=4, kernel_size=5, pooling=pooling)
     assert score.in_window(state).tolist() == [[False] * 5 + [True] * 4, [False] * 3 + [True] * 3 + [False] * 3]
     got = score(state)
     assert torch.equal(got[0, :5], torch_pool(summed[:1, :5], 5, pooling)[0])
     assert torch.equal(got[1, :3], torch_pool(summed[1:, :3], 5, pooling)[0])
-    scored = Policy("ada", score, Everything()).scored(state, 4, padding=float("inf"))
+    scored = Policy("ada", score, All()).scored(state, 4, padding=float("inf"))
     assert scored[1, 6:].isposinf().all() and torch.isfinite(scored[valid]).all()
 
 
@@ -149,7 +149,7 @@ def test_padding_pools_as_before_and_is_never_the_window(pooling):
 HEADS, DIM, WINDOW, BUDGET, KERNEL = 2, 4, 5, 9, 3
 
 
-def check_prefix_pooling(state: TokenState, seen: int, score: ObservationWindow, pooling: str) -> None:
+def check_prefix_pooling(state: TokenState, seen: int, score: SnapKV, pooling: str) -> None:
     """Each head: the entries fed before the last ``WINDOW`` tokens pool as their sums alone would."""
     got = score(state)
     sums = state.derived("qlog_sum", None)
@@ -169,8 +169,8 @@ def test_prefix_pooling_through_chunks_and_decode_steps(per_head, pooling):
     steps alike): at every step the window is the last WINDOW tokens fed, the query log's, and what is held before
     it pools as SnapKV's prefix."""
     g = torch.Generator().manual_seed(5)
-    score = ObservationWindow(window=WINDOW, kernel_size=KERNEL, pooling=pooling)
-    policy = Policy("snap", score, Everything(), allocation=Adaptive(floor=0.0) if per_head else Allocation())
+    score = SnapKV(window=WINDOW, kernel_size=KERNEL, pooling=pooling)
+    policy = Policy("snap", score, All(), allocation=Adaptive(floor=0.0) if per_head else Allocation())
     assert "count" in policy.needs
     plans = [LayerPlan(BUDGET, prefill=16, decode=16, total=64)]
     cache = KVCache([plans], policy)
@@ -198,7 +198,7 @@ def test_prefix_pooling_through_chunks_and_decode_steps(per_head, pooling):
 def test_decode_window_follows_the_query_log():
     """After the prompt the window is still the last ``window`` queries: a state one decode step later has
     shifted it by one entry."""
-    score = ObservationWindow(window=3, kernel_size=3)
+    score = SnapKV(window=3, kernel_size=3)
     positions = torch.arange(11).view(1, 11)
     state = TokenState(
         positions=positions,

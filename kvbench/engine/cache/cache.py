@@ -16,14 +16,16 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvbench.engine.cache import schedule
-from kvbench.engine.cache.entries import STAT_NAMES, Entries
+from kvbench.engine.cache.entries import Entries
 from kvbench.engine.cache.layer import CacheLayer
+from kvbench.engine.cache.row_sums import RowSums
 from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
+from kvbench.engine.score_inputs import ScoreInputs, per_head
 from kvbench.policies.base import Policy
 from kvbench.policies.positions import Rotary, layer_rotaries
 from kvbench.policies.state import TokenState
-from kvbench.policies.statistics import STATISTICS
+from kvbench.policies.statistics import STATISTICS, stored_names
 
 
 @dataclass
@@ -69,6 +71,7 @@ class KVCache(Cache):
         self._pending: torch.Tensor | None = None
         self._cache: dict[Any, torch.Tensor] = {}
         self.hidden: list[torch.Tensor] | None = None  # per layer, what masked replay lets each row see
+        self.inputs = ScoreInputs(model, policy, len(plans))  # the weights and queries the score declared
         self.seen = [0] * slots  # per slot, tokens fed so far
 
     @property
@@ -93,14 +96,20 @@ class KVCache(Cache):
         """Buffers for every layer, from the shapes of one layer's keys and values."""
         caps = [self._capacity(l, heads) for l in range(len(self.layers))]
         columns = sorted(
-            {n for l in range(len(self.layers)) for n in self.policy_of(l).needs if n in STAT_NAMES}
+            {n for l in range(len(self.layers)) for n in stored_names(self.policy_of(l).needs)}
             | {n for l in range(len(self.layers)) for n in self.policy_of(l).feature_names}
         )
         history = max(self.policy_of(l).history for l in range(len(self.layers)))
-        self.entries = Entries(len(self.layers), self.slots, heads, max(caps), columns, history, self.device)
         self.shapes = (heads, k_dim, v_dim, dtype)
         for layer, cap in zip(self.kv_layers, caps):
             layer.attach(KVStore(self.slots * heads, cap, k_dim, v_dim, dtype, self.device, layer.policy.quantize))
+        declared = [layer.policy.row_sums for layer in self.kv_layers]
+        row_sums = (
+            RowSums(declared, [layer.store for layer in self.kv_layers], self.slots * heads, self.device)
+            if any(declared)
+            else None
+        )
+        self.entries = Entries(len(self.layers), self.slots, heads, max(caps), columns, history, self.device, row_sums)
         e = self.entries
         head = torch.arange(e.layers * e.rows, device=self.device)
         self.row_keys = (head // e.rows) * heads + head % heads
@@ -174,6 +183,8 @@ class KVCache(Cache):
         layer.store.write(rows, slots, stored.reshape(b * h, q, -1), value_states.reshape(b * h, q, -1))
         if layer.policy.feature_names:
             self.write_features(l, rows.repeat_interleave(q), slots.reshape(-1))
+        if e.row_sums is not None:
+            e.row_sums.add(l, rows, slots)
         n = self.spans[l]
         keys, values = layer.store.read(self.lo * h, self.hi * h, n)
         rr = e.row_range(self.lo, self.hi)
@@ -207,13 +218,16 @@ class KVCache(Cache):
         them as stored."""
         layer = self.kv_layers[l]
         keys, values = layer.store.gather(rows, slots.unsqueeze(1))
-        for name, value in layer.policy.features(keys, values).items():
-            self.allocated.write_column(name, l, rows, slots, value)
+        for at, weights in per_head(self.inputs.weights[l], rows, self.allocated.heads):
+            for name, value in layer.policy.features(keys[at], values[at], weights).items():
+                self.allocated.write_column(name, l, rows[at], slots[at], value)
 
     def after_attention(self, l: int, q: int, stats: dict[str, torch.Tensor]) -> None:
         """Fold the layer's statistics over its step keys (slots ``0:n``) into its rows."""
         if not stats:
             return
+        if "queries" in stats:  # not a statistic: the step's queries, for this step's eviction
+            self.inputs.queries[l] = stats.pop("queries")
         e, layer = self.allocated, self.kv_layers[l]
         rr = e.row_range(self.lo, self.hi)
         for name, value in stats.items():

@@ -15,16 +15,21 @@ from __future__ import annotations
 import torch
 
 from kvbench.engine.cache.query_log import QueryLog
+from kvbench.engine.cache.row_sums import RowSums
 from kvbench.engine.cache.store import KVStore, flat_slots
-from kvbench.policies.statistics import STORED_STATS
-
-# Per-entry statistics a row keeps as columns (from attention, and "mass": attention mass merged into an entry).
-STAT_NAMES = STORED_STATS
 
 
 class Entries:
     def __init__(
-        self, layers: int, slots: int, heads: int, capacity: int, columns: list[str], history: int, device: torch.device
+        self,
+        layers: int,
+        slots: int,
+        heads: int,
+        capacity: int,
+        columns: list[str],
+        history: int,
+        device: torch.device,
+        row_sums: RowSums | None = None,
     ):
         self.layers, self.slots, self.heads, self.capacity = layers, slots, heads, capacity
         self.rows = slots * heads
@@ -36,6 +41,8 @@ class Entries:
         self.columns = list(columns)
         self.table = torch.zeros(*shape, len(columns), device=device) if columns else None
         self.log = QueryLog(layers * self.rows, capacity, history, device) if history else None
+        # The declared running sums per row (policies.running): every slot freed here leaves them first.
+        self.row_sums = row_sums
         # Per layer, an upper bound on the slots any row uses (host-side: it sizes every step's key range).
         self.spans = [0] * layers
         self.device = device
@@ -129,6 +136,8 @@ class Entries:
         order = self.gather_rows(self.order, rows)[:, :n]
         gone = valid & ~keep
         row_ids = self._row_ids(rows, keep.shape[0])
+        if self.row_sums is not None:
+            self.row_sums.remove(row_ids, order, gone)
         freed = flat_slots(row_ids, order, self.capacity)[gone.reshape(-1)]
         self.flat(self.occupied).view(-1)[freed] = False
         self.flat(self.positions).view(-1)[freed] = -1
@@ -145,7 +154,10 @@ class Entries:
         return torch.arange(count, device=self.device) if rows is None else rows
 
     def _free(self, rows: torch.Tensor | None, slots: torch.Tensor) -> None:
-        at = flat_slots(self._row_ids(rows, slots.shape[0]), slots, self.capacity)
+        row_ids = self._row_ids(rows, slots.shape[0])
+        if self.row_sums is not None:
+            self.row_sums.remove(row_ids, slots)
+        at = flat_slots(row_ids, slots, self.capacity)
         self.flat(self.occupied).view(-1)[at] = False
         self.flat(self.positions).view(-1)[at] = -1
 
@@ -212,6 +224,10 @@ class Entries:
                 self.log.rows[fb, :, :n] = source.log.rows[fa, :, :n]
                 self.log.total[fb, :n] = source.log.total[fa, :n]
                 self.log.nvis[fb] = source.log.nvis[fa]
+        if self.row_sums is not None:
+            assert source.row_sums is not None, "caches of one run keep the same row sums"
+            from_rows, to_rows = source.flat_rows(src, src + 1).view(-1), self.flat_rows(dst, dst + 1).view(-1)
+            self.row_sums.copy_rows(source.row_sums, from_rows, to_rows)
         self.spans = [max(s, t) for s, t in zip(self.spans, source.spans)]
         return n
 

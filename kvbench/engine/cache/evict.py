@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.engine.cache.entries import Entries
-from kvbench.engine.cache.store import KVStore
+from kvbench.engine.cache.store import KVStore, layer_runs
 from kvbench.policies.base import Policy
 from kvbench.policies.merge import merge_evicted
 from kvbench.policies.state import Stats, TokenState
+from kvbench.policies.statistics import FromPositions, declared
 
 
 @dataclass
@@ -38,6 +39,9 @@ class StepRows:
     row_keys: torch.Tensor  # [layers × rows] long
     phase: str
     seed: int
+    # Per layer, the step's queries a score declared ([rows of the step, group, k, D]), and the step's first row.
+    queries: list[torch.Tensor | None] = field(default_factory=list)
+    first_row: int = 0
 
 
 def unit_rows(entries: Entries, units: list[tuple[int, int]]) -> list[int]:
@@ -72,9 +76,9 @@ def group_state(
         for name in columns:
             value = got[..., entries.columns.index(name)]
             eager[name] = value if mask is None else value * mask
-    if "count" in policy.needs:
-        count = (seen - positions).to(torch.float32)
-        eager["count"] = count if mask is None else count * mask
+    for computed in declared(policy.needs, FromPositions):
+        value = computed.of(seen, positions)
+        eager[computed.name] = value if mask is None else value * mask
     lazy, derived = {}, {}
     log = entries.log
     if log is not None:
@@ -90,6 +94,8 @@ def group_state(
         lazy["qlog"] = logged
     keys = step.row_keys if rows is None else step.row_keys.index_select(0, rows)
     return TokenState(
+        queries=None if policy.queries is None else step_queries(entries, rows, step),
+        row_sums={} if entries.row_sums is None else entries.row_sums.read(rows),
         positions=positions,
         stats=Stats(eager, lazy),
         phase=step.phase,
@@ -105,22 +111,27 @@ def group_state(
     )
 
 
+def step_queries(entries: Entries, rows: torch.Tensor | None, step: StepRows) -> torch.Tensor:
+    """The group's rows' queries of this step, [r, group, k, D] (each layer's part from what its attention kept)."""
+    flat = torch.arange(entries.layers * entries.rows, device=entries.device) if rows is None else rows
+    parts = []
+    for l, start, end in layer_runs(flat, entries.rows):
+        kept = step.queries[l] if l < len(step.queries) else None
+        assert kept is not None, "an evicting step's attention keeps the queries its policy declared"
+        parts.append(kept.index_select(0, flat[start:end] - l * entries.rows - step.first_row))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def load_kv(
     entries: Entries, rows: torch.Tensor | None, order: torch.Tensor, stores: list[KVStore]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's keys and values in sequence order, [r, n, D] (each layer's part from its own store)."""
     flat = torch.arange(entries.layers * entries.rows, device=order.device) if rows is None else rows
-    layer_of = (flat // entries.rows).tolist()
-    keys, values, start = [], [], 0
-    while start < len(layer_of):
-        l = layer_of[start]
-        end = start
-        while end < len(layer_of) and layer_of[end] == l:
-            end += 1
+    keys, values = [], []
+    for l, start, end in layer_runs(flat, entries.rows):
         k, v = stores[l].gather(flat[start:end] - l * entries.rows, order[start:end])
         keys.append(k)
         values.append(v)
-        start = end
     return (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys), torch.cat(values))
 
 
@@ -160,6 +171,10 @@ def evict_group(
     if merged is not None:
         k_new, v_new, absorbed = merged
         store = stores[layer]
+        if entries.row_sums is not None:  # the kept entries' old keys and values leave the sums, the merged join
+            entries.row_sums.remove(layer * entries.rows + local, slots.unsqueeze(1))
         store.write(local, slots.unsqueeze(1), k_new[keep].to(store.dtype), v_new[keep].to(store.dtype))
+        if entries.row_sums is not None:
+            entries.row_sums.add(layer, local, slots.unsqueeze(1))
         entries.add_to_column("mass", layer, local, slots, absorbed[keep])
         features(layer, local, slots)

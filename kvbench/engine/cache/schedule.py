@@ -128,4 +128,6 @@ def group_rows(cache: KVCache, units: list[tuple[int, int]]) -> torch.Tensor | N
 def step_rows(cache: KVCache) -> evicting.StepRows:
     e = cache.allocated
     seen = torch.tensor(cache.seen, device=cache.device).repeat_interleave(e.heads).repeat(e.layers)
-    return evicting.StepRows(seen.view(-1, 1), cache.row_keys, cache.phase, cache.seed)
+    return evicting.StepRows(
+        seen.view(-1, 1), cache.row_keys, cache.phase, cache.seed, cache.inputs.queries, cache.lo * e.heads
+    )

@@ -17,6 +17,19 @@ def flat_slots(rows: torch.Tensor, slots: torch.Tensor, capacity: int) -> torch.
     return (rows.unsqueeze(1) * capacity + slots).reshape(-1)
 
 
+def layer_runs(flat: torch.Tensor, rows: int) -> list[tuple[int, int, int]]:
+    """(layer, start, end) per run of ``flat`` (indices into [layers × rows], grouped by layer) in one layer."""
+    layer_of = (flat // rows).tolist()
+    runs, start = [], 0
+    while start < len(layer_of):
+        end = start
+        while end < len(layer_of) and layer_of[end] == layer_of[start]:
+            end += 1
+        runs.append((layer_of[start], start, end))
+        start = end
+    return runs
+
+
 class KVStore:
     """Keys and values [rows, capacity, D]: the model's dtype, or codes plus scales [rows, capacity, 1]."""
 

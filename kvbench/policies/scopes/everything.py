@@ -10,7 +10,7 @@ from kvbench.policies.state import TokenState
 
 
 @register_scope("all")
-class Everything(Scope):
+class All(Scope):
     """Every token is a candidate."""
 
     def protected(self, state: TokenState, budget: int) -> torch.Tensor:

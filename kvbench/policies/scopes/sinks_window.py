@@ -12,7 +12,7 @@ from kvbench.policies.state import TokenState
 
 
 @register_scope("sinks_window")
-class SinksAndWindow(Scope):
+class SinksWindow(Scope):
     """Protect the first ``n_sink`` tokens and a recent window (a fraction of the budget or a count)."""
 
     def __init__(self, n_sink: int = 4, window: float | int = 0):

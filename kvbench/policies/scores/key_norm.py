@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from kvbench.policies.base import Score
@@ -16,7 +18,9 @@ class KeyNorm(Score):
 
     feature_names = frozenset({"key_norm"})
 
-    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    def features(
+        self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         return {"key_norm": keys.to(torch.float32).norm(dim=-1)}
 
     def __call__(self, state: TokenState) -> torch.Tensor:

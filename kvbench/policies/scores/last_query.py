@@ -10,7 +10,7 @@ from kvbench.policies.state import TokenState
 
 
 @register_score("last")
-class LastQuery(Score):
+class Last(Score):
     """The attention probability from the most recent query only."""
 
     needs = frozenset({"last"})

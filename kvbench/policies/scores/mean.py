@@ -11,7 +11,7 @@ from kvbench.policies.state import TokenState
 
 
 @register_score("mean")
-class MeanAttention(Score):
+class Mean(Score):
     """Accumulated attention divided by the number of queries that attended the token, so old tokens are not
     favoured just for having been seen by more queries."""
 

@@ -12,7 +12,7 @@ from kvbench.policies.state import TokenState
 
 
 @register_score("snapkv")
-class ObservationWindow(Score):
+class SnapKV(Score):
     """SnapKV: the attention the last ``window`` queries (the observation window) paid each earlier entry, summed
     over those queries, then pooled over neighbouring held entries (1-D ``pooling`` "avg" or "max" with an odd
     ``kernel_size``, stride 1) so that a kept token brings its neighbourhood.

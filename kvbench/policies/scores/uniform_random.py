@@ -10,7 +10,7 @@ from kvbench.policies.state import TokenState
 
 
 @register_score("random")
-class RandomScore(Score):
+class Random(Score):
     """Uniform random scores: evicts a uniformly random subset, drawn afresh at every step.
 
     An entry's draw is a hash of the run's seed, its row (layer and KV head), its position and the tokens fed so

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from kvbench.policies.base import Score
+from kvbench.policies.base import ScoreWrapper
 from kvbench.policies.parts import SCORES, register_score
 from kvbench.policies.state import TokenState
 
 
 @register_score("value_aware")
-class ValueAware(Score):
+class ValueAware(ScoreWrapper):
     """Attention × value norm. ``base`` is an attention score (accumulated by default), multiplied by the
     ``p``-norm of the token's value vector (VATP uses the L1 norm), taken once when the value is written."""
 
@@ -18,19 +20,14 @@ class ValueAware(Score):
         if base not in SCORES or base == "value_aware":
             others = sorted(set(SCORES.names()) - {"value_aware"})
             raise ValueError(f"value_aware base {base!r} must be another score: {others}")
-        self.base = SCORES.get(base)()
+        super().__init__(SCORES.get(base)())
         self.p = float(p)
-        self.needs = self.base.needs
-        self.history = self.base.history
-        self.unsupported_stages = self.base.unsupported_stages
-        self.why_unsupported = self.base.why_unsupported
-        self.feature_names = self.base.feature_names | {"value_norm"}
+        self.feature_names = self.feature_names | {"value_norm"}
 
-    def features(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.base.features(keys, values) | {"value_norm": values.to(torch.float32).norm(p=self.p, dim=-1)}
-
-    def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
-        return self.base.log_rows(probs, nvis)
+    def features(
+        self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        return super().features(keys, values, weights) | {"value_norm": values.to(torch.float32).norm(p=self.p, dim=-1)}
 
     def __call__(self, state: TokenState) -> torch.Tensor:
-        return self.base(state) * state.stats["value_norm"]
+        return self.inner(state) * state.stats["value_norm"]

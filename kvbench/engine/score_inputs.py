@@ -1,0 +1,80 @@
+"""What a score declared besides statistics (``policies.inputs``), as the cache holds it for the score: the
+layer weights its features read (found in the model's attention modules, handed over one KV head at a time) and
+the evicting step's queries (kept by the attention until the step's eviction)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvbench.policies.base import Policy
+from kvbench.policies.positions import Rotary, layer_rotaries
+
+# Where each declared weight lives in a transformers attention module (every supported family names them so).
+ATTRIBUTES = {"output_projection": "o_proj"}
+
+
+def attention_weights(module: torch.nn.Module, names: frozenset[str]) -> dict[str, torch.Tensor]:
+    """The weights ``names`` of one attention module, by name."""
+    out = {}
+    for name in sorted(names):
+        projection = getattr(module, ATTRIBUTES[name], None)
+        if not isinstance(projection, torch.nn.Linear):
+            raise ValueError(
+                f"the model's attention {type(module).__name__} has no {ATTRIBUTES[name]} projection: a score "
+                f"reading {name} cannot run on this family"
+            )
+        out[name] = projection.weight.detach()
+    return out
+
+
+def per_head(
+    weights: dict[str, torch.Tensor], rows: torch.Tensor, heads: int
+) -> list[tuple[torch.Tensor | slice, dict[str, torch.Tensor]]]:
+    """(which of the entries, the weights of their KV head) for entries of ``rows`` [m] (row % heads is the KV
+    head): the output projection's columns of the head's GQA group, [hidden, group × head_dim]. No weights: every
+    entry at once (``slice(None)``)."""
+    if not weights:
+        return [(slice(None), {})]
+    out: list[tuple[torch.Tensor | slice, dict[str, torch.Tensor]]] = []
+    head_of = rows % heads
+    for h in head_of.unique().tolist():
+        columns = {name: w.view(w.shape[0], heads, -1)[:, h] for name, w in weights.items()}
+        out.append(((head_of == h).nonzero().squeeze(1), columns))
+    return out
+
+
+def layer_weights(model: Any, names: frozenset[str], layers: int) -> list[dict[str, torch.Tensor]]:
+    """Per decoder layer, the weights ``names`` of its attention module (none asked: empty dicts)."""
+    if not names:
+        return [{} for _ in range(layers)]
+    if model is None:
+        raise ValueError(f"a score reading {', '.join(sorted(names))} needs the model to build the cache")
+    wanted = {ATTRIBUTES[name] for name in names}
+    found = {
+        m.layer_idx: attention_weights(m, names)
+        for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and all(hasattr(m, a) for a in wanted)
+    }
+    if sorted(found) != list(range(layers)):
+        raise ValueError(
+            f"a score reads {', '.join(sorted(names))}, but only layers {sorted(found)} of {layers} have an attention "
+            f"module with {', '.join(sorted(wanted))}: this family is not supported by that score"
+        )
+    return [found[l] for l in range(layers)]
+
+
+class ScoreInputs:
+    """Per layer, the weights the policy's score declared and this step's queries ([rows of the step, group, k,
+    D], set by the attention where the score declared them), with the rotaries that undo RoPE on them."""
+
+    def __init__(self, model: Any, policy: Policy, layers: int):
+        self.weights = layer_weights(model, policy.weights, layers)
+        wants = policy.queries
+        self.rotaries: list[Rotary] | None = None
+        if wants is not None and not wants.rope:
+            if model is None:
+                raise ValueError("a score reading queries before RoPE needs the model (its rotary embedding)")
+            self.rotaries = layer_rotaries(model)
+        self.queries: list[torch.Tensor | None] = [None] * layers

@@ -1,0 +1,30 @@
+"""What a score may read besides the entries and their statistics: the step's queries and the layer's weights.
+
+Both are declarations on the score (``Score.queries``, ``Score.weights``), so that the engine hands them over
+only to the policies that read them: a score never reaches into the model or the attention function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The layer weights a score's ``features`` may read, by name, and what each is. ``features`` is called with the
+# entries of one KV head at a time, and gets that head's part.
+WEIGHTS = {
+    "output_projection": "the columns of the attention's output projection W_o that read the entries' KV head "
+    "(those of its GQA group's query heads), [hidden, group × head_dim]"
+}
+
+
+@dataclass(frozen=True)
+class Queries:
+    """The evicting step's last ``last`` queries (fewer if the step has fewer), as ``TokenState.queries``
+    [rows, group, k, D]: each KV head row gets its GQA group's query heads. ``rope``: as the attention saw them
+    (True) or before the rotary embedding (False: e.g. to extrapolate them to coming positions)."""
+
+    last: int
+    rope: bool = True
+
+    def __post_init__(self) -> None:
+        if int(self.last) < 1:
+            raise ValueError(f"queries.last={self.last} must be >= 1")
