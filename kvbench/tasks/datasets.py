@@ -1,9 +1,9 @@
-"""Shared plumbing of the dataset-backed tasks: records, sampling, prompt rendering.
+"""Shared plumbing of the dataset-backed tasks: records, sampling, and the context/question split.
 
 Records come from the Hugging Face hub or, for offline runs, from local JSONL files that use the
 hub's field names: ``DIR/<split>.jsonl`` for xsum and cnn_dailymail, ``DIR/<subset>.jsonl`` for
-LongBench (whose only split is ``test``). Rendering turns "context part + question part" into token
-ids: chat template, middle truncation, and the context/question split the engine compresses around.
+LongBench (whose only split is ``test``). Rendering (``prompting.render_prompt``) turns "context part +
+question part" into token ids: chat template, middle truncation, and the split the engine compresses around.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from kvbench.tasks.base import Example, RenderedPrompt, Task
 from kvbench.tasks.jsonl import parse_line
-from kvbench.tasks.prompting import truncate_middle
+from kvbench.tasks.prompting import render_prompt
 
 # Hub repository and config of each summarisation dataset.
 SUMMARIZATION_HUB: dict[str, tuple[str, str | None]] = {
@@ -179,52 +179,6 @@ def _hub_reachable() -> bool:
     except Exception:  # any transport failure means "not reachable"
         return False
     return True
-
-
-# ---------------------------------------------------------------- rendering
-
-
-def render_prompt(
-    tokenizer: Any, context_part: str, question_part: str, *, chat: bool, max_prompt_tokens: int | None
-) -> RenderedPrompt:
-    """Token ids of ``context_part + question_part`` as one user turn.
-
-    With a non-empty ``question_part`` the ids are split where it starts: ``suffix_ids`` hold the
-    question and everything after it (the assistant-turn start of the chat template), and
-    ``input_ids + suffix_ids`` is always exactly the tokenisation of the whole prompt, middle-truncated
-    (positions, so the split survives the cut) when longer than ``max_prompt_tokens``.
-    """
-    text = context_part + question_part
-    if chat:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        # Templates may trim the content; the split point is where the question's text starts.
-        split_at = text.rfind(question_part.strip()) if question_part.strip() else len(text)
-        if split_at < 0:
-            raise ValueError("the chat template changed the question text; cannot split context and question")
-    else:
-        split_at = len(context_part)
-    # Rendered templates carry their own BOS; a plain prompt gets the tokenizer's specials.
-    full = tokenizer.encode(text, add_special_tokens=not chat)
-    head = tokenizer.encode(text[:split_at], add_special_tokens=not chat) if split_at < len(text) else full
-    cut = _common_prefix(full, head)
-    kept, truncated = truncate_middle(list(range(len(full))), max_prompt_tokens)
-    return RenderedPrompt(
-        input_ids=[full[i] for i in kept if i < cut],
-        suffix_ids=[full[i] for i in kept if i >= cut],
-        truncated=truncated,
-        n_prompt_tokens_raw=len(full),
-    )
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the shared start: where the context's own tokenisation stops matching the whole."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 # ---------------------------------------------------------------- base task

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task
+from kvbench.tasks.base import Example, GenerationSettings, Task
 from kvbench.tasks.datasets import check_records, load_records, sample_indices
+from kvbench.tasks.protocol import LIKELIHOOD, ScoredText
 from kvbench.tasks.registry import register_task
 
 TEXT_FIELDS = {"longbench": "context", "xsum": "document", "cnn_dailymail": "article", "jsonl": "text"}
@@ -34,17 +34,10 @@ TEXT_FIELDS = {"longbench": "context", "xsum": "document", "cnn_dailymail": "art
 MIN_CHARS_PER_TOKEN = 3
 
 
-@dataclass
-class ScoredText(RenderedPrompt):
-    """The prefix as the prompt, plus the tokens to teacher-force and score."""
-
-    targets: list[int] = field(default_factory=list)
-
-
 @register_task("perplexity")
 class PerplexityTask(Task):
     primary_metric = "perplexity"  # lower is better
-    batchable = False
+    protocol = LIKELIHOOD
 
     def __init__(
         self,
