@@ -82,7 +82,7 @@ class RetrievalTask(Task):
 
     primary_metric = "accuracy"
 
-    n: int = 10
+    n: int | None = 10  # null (every example, as the shared option allows) is refused: prompts are synthetic
     seed: int = 0
     context_tokens: int = 1024
     depths: list[float] | None = None  # None: spread evenly over [0, 1]
@@ -99,9 +99,10 @@ class RetrievalTask(Task):
             raise TaskError(f"task.n must be a whole number >= 1 (synthetic prompts have no 'all'), not {self.n!r}")
 
     def examples(self) -> list[Example]:
-        depths = self.depths or [i / max(1, self.n - 1) for i in range(self.n)]
+        n = int(self.n or 0)  # checked in __post_init__
+        depths = self.depths or [i / max(1, n - 1) for i in range(n)]
         out = []
-        for i in range(self.n):
+        for i in range(n):
             rng = random.Random(f"{self.seed}-{i}")
             if self.needle == "passkey":
                 value = str(rng.randint(10000, 99999))
