@@ -15,9 +15,9 @@ import zipfile
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, ClassVar
 
-from kvbench.tasks.base import Example, RenderedPrompt, Task
+from kvbench.tasks.base import Example, RenderedPrompt, Task, TaskError
 from kvbench.tasks.jsonl import parse_line
 from kvbench.tasks.prompting import render_prompt
 
@@ -167,6 +167,14 @@ class DatasetTask(Task):
     max_new_tokens: int | None = None  # None: the task's own
     chat_template: bool = True
     question_aware: bool = True  # false: the question is fed after the context is compressed
+
+    # The columns a row must have, named in the config (``columns.<role>``).
+    required_columns: ClassVar[tuple[str, ...]] = ("text", "reference")
+
+    def __post_init__(self) -> None:
+        unnamed = [role for role in self.required_columns if getattr(self.columns, role) is None]
+        if unnamed:
+            raise TaskError(f"task.columns.{unnamed[0]} must name the rows' {unnamed[0]} column")
 
     def file_stem(self) -> str:
         """The name of the rows' file, locally and in an archive: the split."""

@@ -164,6 +164,7 @@ class LongBench(DatasetTask):
     subset: str = "narrativeqa"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.subset not in SUBSETS:
             raise TaskError(f"unknown LongBench subset {self.subset!r}; choose one of {list(SUBSETS)}")
         if self.split != "test":
@@ -188,7 +189,7 @@ class LongBench(DatasetTask):
             "language": record.get("language"),
         }
         columns = self.columns
-        assert columns.reference is not None, "the LongBench config names its reference column"
+        assert columns.reference is not None  # required_columns
         return self.compose(
             record.get(columns.id or "") or f"{self.subset}-{index}",
             self.spec.head + record[columns.text],

@@ -66,4 +66,3 @@ SHARED_CONTEXT = Protocol(
     batchable=False,
     alone="asks each question of one compressed context in turn",
 )
-PROTOCOLS = {p.name: p for p in (GENERATE, LIKELIHOOD, SHARED_CONTEXT)}

@@ -24,7 +24,7 @@ class SummarizationTask(DatasetTask):
 
     def make_example(self, record: dict[str, Any], index: int) -> Example:
         columns = self.columns
-        assert columns.reference is not None, "a summarisation config names its reference column"
+        assert columns.reference is not None  # required_columns
         return self.compose(
             str(record.get(columns.id or "", index)),
             f"Article:\n{record[columns.text].strip()}",

@@ -139,6 +139,57 @@ def test_local_hub_format_files(tmp_path: Path) -> None:
     assert len(lb) == 2 and all(e.id.startswith("id") for e in lb)
 
 
+def test_the_config_declares_where_the_rows_live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub id, config, archive and columns reach the loader from the task's config, not from a table."""
+    import datasets
+    import huggingface_hub
+
+    asked = []
+
+    hub = {
+        "EdinburghNLP/xsum": [{"document": "Doc.", "summary": "Sum.", "id": "x"}],
+        "abisee/cnn_dailymail": [{"article": "Art.", "highlights": "H.", "id": "y"}],
+        "me/xsum-mirror": [{"document": "Doc.", "summary": "Sum."}] * 2,
+    }
+
+    class Rows(list):
+        def to_list(self) -> list[dict[str, Any]]:
+            return list(self)
+
+    def load_dataset(repo: str, config: str | None, split: str, **kw: Any) -> Rows:
+        asked.append((repo, config, split))
+        return Rows(hub[repo])
+
+    archive = tmp_path / "data.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("data/hotpotqa.jsonl", json.dumps(longbench_row(7)) + "\n")
+
+    def download(repo: str, filename: str, repo_type: str) -> str:
+        asked.append((repo, filename, repo_type))
+        return str(archive)
+
+    monkeypatch.setattr(data, "_hub_offline", lambda: True)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    (doc,) = from_config("xsum", n=None).examples()
+    assert doc.id == "x" and doc.references == ["Sum."] and "Doc." in doc.prompt
+    (art,) = from_config("cnn_dailymail", split="validation", n=None).examples()
+    assert art.id == "y" and art.references == ["H."] and "Art." in art.prompt
+    (row,) = from_config("longbench", subset="hotpotqa", n=None).examples()
+    assert row.id == "id7" and row.references == ["Ann 7"] and "Who wrote note 7?" in row.prompt
+    columns = {"text": "summary", "reference": "summary", "id": None}
+    mirror = from_config("xsum", n=None, source={"repo": "me/xsum-mirror"}, columns=columns)
+    rows = mirror.examples()
+    assert [(ex.id, ex.references) for ex in rows] == [("0", ["Sum."]), ("1", ["Sum."])]
+    assert "Article:\nSum." in rows[0].prompt  # the text column as the override says
+    assert asked == [
+        ("EdinburghNLP/xsum", None, "test"),
+        ("abisee/cnn_dailymail", "3.0.0", "validation"),
+        ("THUDM/LongBench", "data.zip", "dataset"),
+        ("me/xsum-mirror", None, "test"),
+    ]
+
+
 def test_sampling_is_deterministic_by_seed(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "test.jsonl", [{"document": "d", "summary": "s", "id": str(i)} for i in range(50)])
 
@@ -193,6 +244,8 @@ def test_offline_hub_with_empty_cache_fails_with_the_fix(monkeypatch: pytest.Mon
 
 
 def test_bad_options() -> None:
+    with pytest.raises(ValueError, match=r"task\.columns\.reference must name the rows' reference column"):
+        from_config("xsum", columns={"text": "document"})
     with pytest.raises(ValueError, match="subset"):
         from_config("longbench", subset="nope")
     with pytest.raises(ValueError, match="only a 'test' split"):
