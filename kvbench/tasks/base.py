@@ -18,8 +18,9 @@ __all__ = ["Example", "GenerationSettings", "Question", "RenderedPrompt", "Task"
 
 
 class TaskError(ValueError):
-    """An option or an example a task cannot run, raised before any model loads (in ``validate`` or while the
-    prompts are rendered); the message says what to change. Importing it needs neither the engine nor torch."""
+    """An option or an example a task cannot run, raised before any model loads (when the task is built or
+    validated, or while the prompts are rendered); the message says what to change. Importing it needs neither
+    the engine nor torch."""
 
 
 @dataclass
@@ -56,7 +57,9 @@ class GenerationSettings:
 
 
 class Task(ABC):
-    """Base class of every task. Subclasses are small: load, render, score."""
+    """Base class of every task. Subclasses are small: load, render, score. A subclass is a dataclass whose
+    fields are its options: a config's keys are typed against them (:mod:`kvbench.tasks.options`), and checks
+    that need more than a type go in ``__post_init__`` (raising ``TaskError``)."""
 
     name: ClassVar[str] = "task"
     # The metric a trade-off figure plots by default; a key of the dict ``score`` returns.
