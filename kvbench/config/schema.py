@@ -131,7 +131,8 @@ class PolicyConfig:
 
 @dataclass
 class TaskConfig:
-    """What every task shares; a task's own settings are checked by the task (kvbench.tasks)."""
+    """What every task shares; a task's own options are the fields of its dataclass, typed by
+    ``kvbench.tasks.options`` when the task is built."""
 
     name: str = setting(expect="a task name")
     n: int | None = setting(

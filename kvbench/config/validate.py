@@ -44,10 +44,10 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     model = plain(run.model)
     check_model(model)
     task = check_task(task_data)
-    if run.batch_size > 1 and not task.batchable:
+    if run.batch_size > 1 and not task.protocol.batchable:
         raise ConfigError(
-            f"task={task_data.get('name')} scores each text alone (teacher forcing), so batch_size="
-            f"{run.batch_size} would label one sequence's timings as a batch's; use batch_size=1"
+            f"task={task_data.get('name')} {task.protocol.alone}, so batch_size={run.batch_size} would label one "
+            "sequence's timings as a batch's; use batch_size=1"
         )
     tracking = plain(run.tracking)
     _check_tracking(tracking)

@@ -22,7 +22,7 @@ from kvbench.results.schema import KIND_EXAMPLE, SKIPPED, CellIdentity, Row, fla
 from kvbench.results.writer import CellBusy, CellResults, summarize
 from kvbench.runner import model_cache
 from kvbench.runner.capacity_cell import fill_capacity_cell
-from kvbench.runner.example import example_outcomes
+from kvbench.runner.example import check_protocol, example_outcomes
 from kvbench.runner.fidelity.store import ReferenceStore, store_at
 from kvbench.runner.paths import run_name
 from kvbench.runner.prompts import render_all
@@ -41,6 +41,7 @@ def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str, *, skip_busy: bool = F
     """
     spec = validate(cfg)
     task = build_task(spec.task_cfg)
+    check_protocol(task)
     cell = CellIdentity(
         model=spec.model["name"],
         task=spec.task_id,

@@ -1,16 +1,17 @@
-"""One example -> its outcome: generate under the run's policy and score the text (with fidelity to the full
-cache when asked for), or, for perplexity, teacher-force the text (:mod:`kvbench.runner.perplexity`). A cell's
-examples run one at a time or ``batch_size`` decoded together; a failure becomes that example's ``Failure``."""
+"""One example -> its outcome, by the protocol its task declares (``OUTCOMES``): generate under the run's policy
+and score the text (with fidelity to the full cache when asked for), or teacher-force the text and score its
+likelihood (:mod:`kvbench.runner.perplexity`). A cell's examples run one at a time or ``batch_size`` decoded
+together; a failure becomes that example's ``Failure``."""
 
 from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from kvbench.config import RunSpec
+from kvbench.config import ConfigError, RunSpec
 from kvbench.engine.batch import BatchRun
 from kvbench.engine.generate import DecodeSettings, Generation, Request
 from kvbench.models import LoadedModel
@@ -20,6 +21,7 @@ from kvbench.runner.fidelity.references import generation_agreement, generation_
 from kvbench.runner.fidelity.store import ReferenceStore, default_reference_dir, store_at
 from kvbench.runner.passes import example_settings, measures, policy_pass
 from kvbench.tasks.base import Example, RenderedPrompt, Task
+from kvbench.tasks.protocol import GENERATE, LIKELIHOOD
 
 log = logging.getLogger("kvbench")
 
@@ -35,8 +37,13 @@ def run_example(
     """One example, alone. Full-cache references live in ``references`` (default:
     :func:`kvbench.runner.fidelity.store.default_reference_dir`)."""
     store = references or store_at(default_reference_dir())
-    if perplexity.applies(task):
-        return perplexity.score_text(lm, task, spec, ex, prompt, store)
+    return OUTCOMES[task.protocol.name](lm, task, spec, ex, prompt, store)
+
+
+def generated(
+    lm: LoadedModel, task: Task, spec: RunSpec, ex: Example, prompt: RenderedPrompt, store: ReferenceStore
+) -> Outcome:
+    """The ``generate`` protocol: the prompt answered under the run's policy, scored by the task."""
     decode = example_settings(task, spec, ex)
     return generation_outcome(lm, task, spec, ex, prompt, policy_pass(lm, spec, prompt, decode), decode, store)
 
@@ -92,9 +99,9 @@ def example_outcomes(
     rendered: dict[str, RenderedPrompt],
     references: ReferenceStore,
 ) -> Iterator[tuple[Example, Outcome | Failure]]:
-    """Each example's outcome as it is done: one at a time, or ``batch_size`` decoded together (perplexity runs
-    alone). A failure is that example's (a batch's: every unfinished one's)."""
-    if spec.batch_size == 1 or perplexity.applies(task):
+    """Each example's outcome as it is done: one at a time, or ``batch_size`` decoded together (when the task's
+    protocol is batchable). A failure is that example's (a batch's: every unfinished one's)."""
+    if spec.batch_size == 1 or not task.protocol.batchable:
         for ex in todo:
             try:
                 yield ex, run_example(lm, task, spec, ex, rendered[ex.id], references)
@@ -126,3 +133,17 @@ def example_outcomes(
         for i, ex in enumerate(todo):
             if i not in done:
                 yield ex, failure(err)
+
+
+OutcomeOf = Callable[[LoadedModel, Task, RunSpec, Example, RenderedPrompt, ReferenceStore], Outcome]
+# What the runner does for each protocol (kvbench.tasks.protocol) it can run.
+OUTCOMES: dict[str, OutcomeOf] = {GENERATE.name: generated, LIKELIHOOD.name: perplexity.score_text}
+
+
+def check_protocol(task: Task) -> None:
+    """Refuse, before any model loads, a task whose protocol the runner cannot run."""
+    if task.protocol.name not in OUTCOMES:
+        raise ConfigError(
+            f"task={task.name} declares protocol {task.protocol.name!r}, which this runner cannot run yet "
+            f"(it runs {sorted(OUTCOMES)})"
+        )

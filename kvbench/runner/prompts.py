@@ -1,5 +1,6 @@
-"""Every prompt of a cell rendered with the tokenizer alone, and refused before any weights load when the
-model cannot hold it or the budget cannot protect what the policy always keeps."""
+"""Every prompt of a cell rendered with the tokenizer alone, and refused before any weights load when the task
+refuses it (``TaskError``), when it is not the shape the task's protocol feeds, when the model cannot hold it, or
+when the budget cannot protect what the policy always keeps."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from kvbench.config import ConfigError, RunSpec
 from kvbench.engine.generate import reference_length, resolve_budget
 from kvbench.families import policy_problem
 from kvbench.models import load_config, load_tokenizer
-from kvbench.tasks.base import Example, RenderedPrompt, Task
+from kvbench.tasks.base import Example, RenderedPrompt, Task, TaskError
 
 
 def check_model_support(spec: RunSpec) -> None:
@@ -25,7 +26,15 @@ def render_all(task: Task, examples: list[Example], spec: RunSpec) -> dict[str, 
     tokenizer, limit = load_tokenizer(**spec.model)
     rendered = {}
     for ex in examples:
-        prompt = task.render(ex, tokenizer)
+        try:
+            prompt = task.render(ex, tokenizer)
+        except TaskError as err:
+            raise ConfigError(f"task={task.name}: example {ex.id}: {err}") from err
+        if not isinstance(prompt, task.protocol.prompt):
+            raise ConfigError(
+                f"task={task.name}: render returned a {type(prompt).__name__}; its protocol "
+                f"{task.protocol.name!r} needs a {task.protocol.prompt.__name__}"
+            )
         new_tokens = spec.max_new_tokens or task.generation(ex).max_new_tokens
         total = len(prompt.input_ids) + len(prompt.suffix_ids) + new_tokens
         if limit and total > limit:

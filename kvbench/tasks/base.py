@@ -1,14 +1,35 @@
 """The task contract: where examples come from, how they become prompt ids, how predictions are scored.
 
 A task knows nothing about caches or policies; the runner hands it a tokenizer and takes back
-token ids, then hands it the generated text and takes back a dict of metric values.
+token ids, then hands it the generated text and takes back a dict of metric values. How an example runs
+(generated, teacher-forced, or one context asked several questions) is the task's ``protocol``
+(:mod:`kvbench.tasks.protocol`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from kvbench.tasks.protocol import GENERATE, Protocol, RenderedPrompt
+
+__all__ = ["Example", "GenerationSettings", "Question", "RenderedPrompt", "Task", "TaskError"]
+
+
+class TaskError(ValueError):
+    """An option or an example a task cannot run, raised before any model loads (when the task is built or
+    validated, or while the prompts are rendered); the message says what to change. Importing it needs neither
+    the engine nor torch."""
+
+
+@dataclass
+class Question:
+    """One of several questions asked of an example's context (the ``shared_context`` protocol)."""
+
+    id: str
+    text: str
+    references: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -21,17 +42,9 @@ class Example:
     # Text appended after the compressed context when a task splits context and question
     # (``question_aware=false``); empty when the whole prompt is compressed together.
     question: str = ""
+    # The questions asked, one at a time, of the one compressed context (``shared_context`` protocol only).
+    questions: list[Question] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class RenderedPrompt:
-    """Token ids ready for the engine. ``suffix_ids`` are fed after the context is compressed."""
-
-    input_ids: list[int]
-    suffix_ids: list[int] = field(default_factory=list)
-    truncated: bool = False
-    n_prompt_tokens_raw: int = 0
 
 
 @dataclass
@@ -44,14 +57,15 @@ class GenerationSettings:
 
 
 class Task(ABC):
-    """Base class of every task. Subclasses are small: load, render, score."""
+    """Base class of every task. Subclasses are small: load, render, score. A subclass is a dataclass whose
+    fields are its options: a config's keys are typed against them (:mod:`kvbench.tasks.options`), and checks
+    that need more than a type go in ``__post_init__`` (raising ``TaskError``)."""
 
-    name: str = "task"
+    name: ClassVar[str] = "task"
     # The metric a trade-off figure plots by default; a key of the dict ``score`` returns.
-    primary_metric: str = "score"
-    # Whether examples can be decoded several at a time (``batch_size`` > 1); a task that scores texts by
-    # teacher forcing runs them one at a time, so a batched cell of it would carry one sequence's timings.
-    batchable: bool = True
+    primary_metric: ClassVar[str] = "score"
+    # How an example runs; the protocol also says whether examples may be decoded several at a time.
+    protocol: ClassVar[Protocol] = GENERATE
 
     @abstractmethod
     def examples(self) -> list[Example]:
@@ -76,3 +90,8 @@ class Task(ABC):
     def postprocess(self, text: str, example: Example) -> str:
         """Clean a raw generation before scoring (first-line cuts and the like)."""
         return text
+
+    def score_nll(self, nll: list[float], nll_full: list[float]) -> dict[str, float]:
+        """``likelihood`` protocol: metric values from the scored tokens' negative log-likelihoods (nats) under the
+        run's policy and under the full cache."""
+        raise NotImplementedError(f"task {self.name} declares protocol {self.protocol.name}, not likelihood")

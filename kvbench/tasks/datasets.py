@@ -1,9 +1,10 @@
-"""Shared plumbing of the dataset-backed tasks: records, sampling, prompt rendering.
+"""Shared plumbing of the dataset-backed tasks: records, sampling, and the context/question split.
 
-Records come from the Hugging Face hub or, for offline runs, from local JSONL files that use the
-hub's field names: ``DIR/<split>.jsonl`` for xsum and cnn_dailymail, ``DIR/<subset>.jsonl`` for
-LongBench (whose only split is ``test``). Rendering turns "context part + question part" into token
-ids: chat template, middle truncation, and the context/question split the engine compresses around.
+Records come from the Hugging Face hub, as the task's config declares (``source``: the dataset's id and config,
+or a zip of JSONL files in it; ``columns``: which column holds what), or, for offline runs, from local JSONL files
+that use the hub's column names: ``DIR/<split>.jsonl`` for xsum and cnn_dailymail, ``DIR/<subset>.jsonl`` for
+LongBench (whose only split is ``test``). Rendering (``prompting.render_prompt``) turns "context part +
+question part" into token ids: chat template, middle truncation, and the split the engine compresses around.
 """
 
 from __future__ import annotations
@@ -12,91 +13,64 @@ import json
 import random
 import zipfile
 from abc import abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, ClassVar
 
-from kvbench.tasks.base import Example, RenderedPrompt, Task
+from kvbench.tasks.base import Example, RenderedPrompt, Task, TaskError
 from kvbench.tasks.jsonl import parse_line
-from kvbench.tasks.prompting import truncate_middle
+from kvbench.tasks.prompting import render_prompt
 
-# Hub repository and config of each summarisation dataset.
-SUMMARIZATION_HUB: dict[str, tuple[str, str | None]] = {
-    "xsum": ("EdinburghNLP/xsum", None),
-    "cnn_dailymail": ("abisee/cnn_dailymail", "3.0.0"),
-}
-# LongBench v1 ships a loading script (which datasets>=4 refuses to run) next to data.zip of JSONL.
-LONGBENCH_REPO = "THUDM/LongBench"
-LONGBENCH_ARCHIVE = "data.zip"
-LONGBENCH_SUBSETS = (
-    "narrativeqa",
-    "qasper",
-    "multifieldqa_en",
-    "multifieldqa_zh",
-    "hotpotqa",
-    "2wikimqa",
-    "musique",
-    "dureader",
-    "gov_report",
-    "qmsum",
-    "multi_news",
-    "vcsum",
-    "trec",
-    "triviaqa",
-    "samsum",
-    "lsht",
-    "passage_count",
-    "passage_retrieval_en",
-    "passage_retrieval_zh",
-    "lcc",
-    "repobench-p",
-)
 HUB_PROBE_TIMEOUT_S = 5.0
 
 
 # ---------------------------------------------------------------- records
 
 
-def load_records(
-    dataset: str, split: str = "test", data_dir: str | Path | None = None, subset: str | None = None
-) -> list[dict[str, Any]]:
-    """All rows of one split (``dataset`` is ``xsum``, ``cnn_dailymail`` or ``longbench``)."""
-    label, stem = _describe(dataset, split, subset)
+@dataclass
+class HubSource:
+    """Where a dataset task's rows live on the Hugging Face hub; declared in the task's config (``source:``)."""
+
+    repo: str | None = None  # the hub dataset's id; None: local files only (task.data_dir)
+    config: str | None = None  # the dataset's config name, for datasets.load_dataset
+    archive: str | None = None  # a zip of <file>.jsonl in the repository, read instead (LongBench's data.zip)
+
+
+@dataclass
+class Columns:
+    """Which column of a row holds what; declared in the task's config (``columns:``)."""
+
+    text: str = "text"  # the document or context
+    reference: str | None = None  # the reference answer: a string, or a list of them
+    question: str | None = None  # what is asked about the text
+    id: str | None = None  # the row's id (None or absent: its index)
+
+
+def load_records(source: HubSource, stem: str, label: str, split: str, data_dir: str | None) -> list[dict[str, Any]]:
+    """Every row of ``<data_dir>/<stem>.jsonl``, or from the hub: ``stem``.jsonl of the source's archive, or the
+    dataset's ``split``. ``label`` names the rows in messages."""
     if data_dir is not None:
         return read_jsonl(_local_file(data_dir, label, stem))
-    _require_hub(label, stem)
+    check_records(source, stem, label, data_dir)
+    assert source.repo is not None  # checked
     try:
-        if dataset == "longbench":
+        if source.archive:
             from huggingface_hub import hf_hub_download
 
-            archive = hf_hub_download(LONGBENCH_REPO, LONGBENCH_ARCHIVE, repo_type="dataset")
-            return load_longbench_archive(archive, stem)
-        return _summarization_from_hub(dataset, split)
+            return load_archive(hf_hub_download(source.repo, source.archive, repo_type="dataset"), stem)
+        return _from_hub(source.repo, source.config, split)
     except (OSError, RuntimeError, ValueError) as err:  # hub and cache errors are OSErrors
         raise _missing(label, stem, f"{type(err).__name__}: {err}") from err
 
 
-def check_records(
-    dataset: str, split: str = "test", data_dir: str | Path | None = None, subset: str | None = None
-) -> None:
-    """Cheap check, reading no data: valid names, and the local file exists or the hub answers."""
-    label, stem = _describe(dataset, split, subset)
+def check_records(source: HubSource, stem: str, label: str, data_dir: str | None) -> None:
+    """Cheap check, reading no data: the local file exists, or a hub dataset is declared and the hub answers."""
     if data_dir is not None:
         _local_file(data_dir, label, stem)
-    else:
-        _require_hub(label, stem)
-
-
-def _describe(dataset: str, split: str, subset: str | None) -> tuple[str, str]:
-    """A label for messages and the file stem: the split, or the LongBench subset."""
-    if dataset == "longbench":
-        if subset not in LONGBENCH_SUBSETS:
-            raise ValueError(f"unknown LongBench subset {subset!r}; choose one of {list(LONGBENCH_SUBSETS)}")
-        if split != "test":
-            raise ValueError(f"LongBench has only a 'test' split, not {split!r}")
-        return f"longbench/{subset}", subset
-    if dataset not in SUMMARIZATION_HUB:
-        raise ValueError(f"unknown dataset {dataset!r}")
-    return f"{dataset} split {split!r}", split
+    elif source.repo is None:
+        raise _missing(label, stem, "the task's config declares no hub dataset (source.repo)")
+    elif not _hub_offline() and not _hub_reachable():
+        raise _missing(label, stem, "the hub is unreachable")
 
 
 def _local_file(data_dir: str | Path, label: str, stem: str) -> Path:
@@ -117,11 +91,6 @@ def _missing(label: str, stem: str, why: str) -> FileNotFoundError:
     )
 
 
-def _require_hub(label: str, stem: str) -> None:
-    if not _hub_offline() and not _hub_reachable():
-        raise _missing(label, stem, "the hub is unreachable")
-
-
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every line of a local JSONL file as a JSON object; a bad line is refused with its file and line number."""
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -137,21 +106,20 @@ def sample_indices(total: int, n: int | None, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(total), n))
 
 
-def load_longbench_archive(archive: str | Path, subset: str) -> list[dict[str, Any]]:
-    """Rows of ``<subset>.jsonl`` inside LongBench's ``data.zip``, read straight from the archive so that a
+def load_archive(archive: str | Path, stem: str) -> list[dict[str, Any]]:
+    """Rows of ``<stem>.jsonl`` inside a zip (LongBench's ``data.zip``), read straight from the archive so that a
     cached archive also works with the hub offline."""
     with zipfile.ZipFile(archive) as zf:
-        members = [m for m in zf.namelist() if PurePosixPath(m).name == f"{subset}.jsonl"]
+        members = [m for m in zf.namelist() if PurePosixPath(m).name == f"{stem}.jsonl"]
         if not members:
-            raise FileNotFoundError(f"{archive} has no {subset}.jsonl")
+            raise FileNotFoundError(f"{archive} has no {stem}.jsonl")
         text = zf.read(members[0]).decode("utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _summarization_from_hub(dataset: str, split: str) -> list[dict[str, Any]]:
+def _from_hub(repo: str, config: str | None, split: str) -> list[dict[str, Any]]:
     import datasets
 
-    repo, config = SUMMARIZATION_HUB[dataset]
     try:
         return datasets.load_dataset(repo, config, split=split).to_list()
     except RuntimeError as err:
@@ -181,90 +149,51 @@ def _hub_reachable() -> bool:
     return True
 
 
-# ---------------------------------------------------------------- rendering
-
-
-def render_prompt(
-    tokenizer: Any, context_part: str, question_part: str, *, chat: bool, max_prompt_tokens: int | None
-) -> RenderedPrompt:
-    """Token ids of ``context_part + question_part`` as one user turn.
-
-    With a non-empty ``question_part`` the ids are split where it starts: ``suffix_ids`` hold the
-    question and everything after it (the assistant-turn start of the chat template), and
-    ``input_ids + suffix_ids`` is always exactly the tokenisation of the whole prompt, middle-truncated
-    (positions, so the split survives the cut) when longer than ``max_prompt_tokens``.
-    """
-    text = context_part + question_part
-    if chat:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        # Templates may trim the content; the split point is where the question's text starts.
-        split_at = text.rfind(question_part.strip()) if question_part.strip() else len(text)
-        if split_at < 0:
-            raise ValueError("the chat template changed the question text; cannot split context and question")
-    else:
-        split_at = len(context_part)
-    # Rendered templates carry their own BOS; a plain prompt gets the tokenizer's specials.
-    full = tokenizer.encode(text, add_special_tokens=not chat)
-    head = tokenizer.encode(text[:split_at], add_special_tokens=not chat) if split_at < len(text) else full
-    cut = _common_prefix(full, head)
-    kept, truncated = truncate_middle(list(range(len(full))), max_prompt_tokens)
-    return RenderedPrompt(
-        input_ids=[full[i] for i in kept if i < cut],
-        suffix_ids=[full[i] for i in kept if i >= cut],
-        truncated=truncated,
-        n_prompt_tokens_raw=len(full),
-    )
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the shared start: where the context's own tokenisation stops matching the whole."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 # ---------------------------------------------------------------- base task
 
 
+@dataclass
 class DatasetTask(Task):
-    """A task over dataset rows: sampling, the context/question split and rendering are shared."""
+    """A task over dataset rows: loading, sampling, the context/question split and rendering are shared. Where
+    the rows live (``source``) and which columns hold what (``columns``) come from the task's config."""
 
-    subset: str | None = None
+    source: HubSource = field(default_factory=HubSource)
+    columns: Columns = field(default_factory=Columns)
+    split: str = "test"
+    n: int | None = 20
+    seed: int = 0
+    data_dir: str | None = None  # a folder of <split>.jsonl files in the hub's column names; None: the hub
+    max_prompt_tokens: int | None = 3500
+    max_new_tokens: int | None = None  # None: the task's own
+    chat_template: bool = True
+    question_aware: bool = True  # false: the question is fed after the context is compressed
 
-    def __init__(
-        self,
-        split: str = "test",
-        n: int | None = 20,
-        seed: int = 0,
-        data_dir: str | None = None,
-        max_prompt_tokens: int | None = 3500,
-        max_new_tokens: int | None = None,
-        chat_template: bool = True,
-        question_aware: bool = True,
-    ) -> None:
-        self.split = split
-        self.n = n
-        self.seed = seed
-        self.data_dir = data_dir
-        self.max_prompt_tokens = max_prompt_tokens
-        self.max_new_tokens = max_new_tokens
-        self.chat_template = chat_template
-        self.question_aware = question_aware
+    # The columns a row must have, named in the config (``columns.<role>``).
+    required_columns: ClassVar[tuple[str, ...]] = ("text", "reference")
+
+    def __post_init__(self) -> None:
+        unnamed = [role for role in self.required_columns if getattr(self.columns, role) is None]
+        if unnamed:
+            raise TaskError(f"task.columns.{unnamed[0]} must name the rows' {unnamed[0]} column")
+
+    def file_stem(self) -> str:
+        """The name of the rows' file, locally and in an archive: the split."""
+        return self.split
+
+    def label(self) -> str:
+        """The rows' name in messages."""
+        return f"{self.name} split {self.split!r}"
 
     @abstractmethod
     def make_example(self, record: dict[str, Any], index: int) -> Example:
         """One row as an example; build it with :meth:`compose`."""
 
     def validate(self) -> None:
-        check_records(self.name, self.split, self.data_dir, self.subset)
+        check_records(self.source, self.file_stem(), self.label(), self.data_dir)
 
     def records(self) -> list[dict[str, Any]]:
-        """Every row of the configured split (the task's registered name is the loader's)."""
-        return load_records(self.name, self.split, self.data_dir, self.subset)
+        """Every row of the configured split."""
+        return load_records(self.source, self.file_stem(), self.label(), self.split, self.data_dir)
 
     def examples(self) -> list[Example]:
         rows = self.records()

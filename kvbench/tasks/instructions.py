@@ -9,10 +9,11 @@ for ``stage=decode`` or ``both``, where the cache fills up with the model's own 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task
+from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task, TaskError
 from kvbench.tasks.datasets import sample_indices
 from kvbench.tasks.jsonl import read_prompts
 from kvbench.tasks.prompting import render_ids
@@ -22,32 +23,31 @@ BUILTIN_PROMPTS = Path(__file__).resolve().parent / "data" / "instructions.jsonl
 
 
 @register_task("instructions")
+@dataclass
 class InstructionsTask(Task):
     primary_metric = "fidelity_rougeL"
 
-    def __init__(
-        self,
-        path: str | None = None,
-        n: int | None = None,
-        seed: int = 0,
-        max_new_tokens: int = 256,
-        chat_template: bool = True,
-        categories: list[str] | None = None,
-    ) -> None:
-        self.path = path or str(BUILTIN_PROMPTS)
-        self.n, self.seed = n, int(seed)
-        self.max_new_tokens = int(max_new_tokens)
-        self.chat_template = chat_template
-        self.categories = list(categories) if categories else None
+    path: str | None = None  # None: the built-in prompts
+    n: int | None = None
+    seed: int = 0
+    max_new_tokens: int = 256
+    chat_template: bool = True
+    categories: list[str] | None = None  # None: every category
 
     def validate(self) -> None:
-        if not Path(self.path).is_file():
-            raise FileNotFoundError(f"task.path={self.path} does not exist; point it at a JSONL file of prompts")
+        if not Path(self.prompts_path).is_file():
+            raise FileNotFoundError(
+                f"task.path={self.prompts_path} does not exist; point it at a JSONL file of prompts"
+            )
         if self.max_new_tokens < 1:
-            raise ValueError(f"task.max_new_tokens={self.max_new_tokens} must be >= 1")
+            raise TaskError(f"task.max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    @property
+    def prompts_path(self) -> str:
+        return self.path or str(BUILTIN_PROMPTS)
 
     def examples(self) -> list[Example]:
-        examples = read_prompts(self.path)
+        examples = read_prompts(self.prompts_path)
         if self.categories:
             examples = [ex for ex in examples if ex.meta.get("category") in self.categories]
         return [examples[i] for i in sample_indices(len(examples), self.n, self.seed)]

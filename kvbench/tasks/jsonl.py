@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task
+from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task, TaskError
 from kvbench.tasks.prompting import render_ids, truncate_middle
 from kvbench.tasks.registry import register_task
 
@@ -54,22 +55,19 @@ def parse_line(line: str, where: str) -> dict[str, Any]:
 
 
 @register_task("jsonl")
+@dataclass
 class JsonlTask(Task):
     primary_metric = "rougeL"
 
-    def __init__(
-        self,
-        path: str | None = None,
-        chat_template: bool = True,
-        n: int | None = None,
-        max_new_tokens: int = 64,
-        max_prompt_tokens: int | None = None,
-        **_: Any,
-    ):
-        if not path:
-            raise ValueError("task=jsonl needs task.path=<file.jsonl>")
-        self.path, self.chat_template, self.n = path, chat_template, n
-        self.max_new_tokens, self.max_prompt_tokens = int(max_new_tokens), max_prompt_tokens
+    path: str = ""
+    chat_template: bool = True
+    n: int | None = None
+    max_new_tokens: int = 64
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise TaskError("task=jsonl needs task.path=<file.jsonl>")
 
     def validate(self) -> None:
         """Read every line now (prompts are small), so a bad one is refused before any model loads."""

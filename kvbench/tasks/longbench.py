@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.metrics.longbench import METRICS, best_over_references, first_line
-from kvbench.tasks.base import Example, GenerationSettings
+from kvbench.tasks.base import Example, GenerationSettings, TaskError
 from kvbench.tasks.datasets import DatasetTask
 from kvbench.tasks.registry import register_task
 
@@ -155,17 +155,30 @@ SUBSETS: dict[str, Subset] = {
 
 
 @register_task("longbench")
+@dataclass
 class LongBench(DatasetTask):
     """One LongBench v1 subset; ``score`` is LongBench's per-example score in [0, 1]."""
 
     primary_metric = "score"
 
-    def __init__(self, subset: str = "narrativeqa", **options: Any) -> None:
-        if subset not in SUBSETS:
-            raise ValueError(f"unknown LongBench subset {subset!r}; choose one of {list(SUBSETS)}")
-        super().__init__(**options)
-        self.subset = subset
-        self.spec = SUBSETS[subset]
+    subset: str = "narrativeqa"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.subset not in SUBSETS:
+            raise TaskError(f"unknown LongBench subset {self.subset!r}; choose one of {list(SUBSETS)}")
+        if self.split != "test":
+            raise TaskError(f"LongBench has only a 'test' split, not {self.split!r}")
+
+    @property
+    def spec(self) -> Subset:
+        return SUBSETS[self.subset]
+
+    def file_stem(self) -> str:
+        return self.subset
+
+    def label(self) -> str:
+        return f"longbench/{self.subset}"
 
     def make_example(self, record: dict[str, Any], index: int) -> Example:
         meta = {
@@ -175,11 +188,13 @@ class LongBench(DatasetTask):
             "length": record.get("length"),
             "language": record.get("language"),
         }
+        columns = self.columns
+        assert columns.reference is not None  # required_columns
         return self.compose(
-            record.get("_id") or f"{self.subset}-{index}",
-            self.spec.head + record["context"],
-            self.spec.tail.replace("{input}", record.get("input") or ""),
-            list(record["answers"]),
+            record.get(columns.id or "") or f"{self.subset}-{index}",
+            self.spec.head + record[columns.text],
+            self.spec.tail.replace("{input}", record.get(columns.question or "") or ""),
+            list(record[columns.reference]),
             meta,
         )
 

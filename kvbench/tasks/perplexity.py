@@ -10,92 +10,77 @@ tokens, as for generation); the prefix itself is not scored.
 cache, ``perplexity_delta`` their difference; the runner adds ``fidelity_kl`` / ``fidelity_top1``
 comparing the two runs' next-token distributions along the text.
 
-Texts: the long documents of a dataset task's records (LongBench ``context``, XSum ``document``,
-CNN/DailyMail ``article``), read by the same loader (hub, or ``data_dir`` of JSONL files), or any
-JSONL file of ``{"text": ...}`` lines (``dataset=jsonl path=...``). The default is LongBench
-gov_report, whose reports are far longer than the default 1024 + 256 tokens.
+Texts: the long documents of a hub dataset, declared in the config as the dataset tasks declare theirs
+(``source``, and ``columns.text``: LongBench ``context``, XSum ``document``, CNN/DailyMail ``article``), read by
+the same loader (hub, or ``data_dir`` of JSONL files), or any JSONL file of ``{"text": ...}`` lines
+(``path=...``). The default is LongBench gov_report, whose reports are far longer than the default 1024 + 256
+tokens.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task
-from kvbench.tasks.datasets import check_records, load_records, sample_indices
+from kvbench.tasks.base import Example, GenerationSettings, Task, TaskError
+from kvbench.tasks.datasets import Columns, HubSource, check_records, load_records, read_jsonl, sample_indices
+from kvbench.tasks.protocol import LIKELIHOOD, ScoredText
 from kvbench.tasks.registry import register_task
 
-TEXT_FIELDS = {"longbench": "context", "xsum": "document", "cnn_dailymail": "article", "jsonl": "text"}
 # A document is used only if it has at least this many characters per needed token (a cheap
 # pre-filter before any tokenizer is loaded; English BPE text has about 4 characters per token).
 MIN_CHARS_PER_TOKEN = 3
 
 
-@dataclass
-class ScoredText(RenderedPrompt):
-    """The prefix as the prompt, plus the tokens to teacher-force and score."""
-
-    targets: list[int] = field(default_factory=list)
-
-
 @register_task("perplexity")
+@dataclass
 class PerplexityTask(Task):
     primary_metric = "perplexity"  # lower is better
-    batchable = False
+    protocol = LIKELIHOOD
 
-    def __init__(
-        self,
-        dataset: str = "longbench",
-        subset: str | None = "gov_report",
-        split: str = "test",
-        data_dir: str | None = None,
-        path: str | None = None,
-        text_field: str | None = None,
-        n: int | None = 8,
-        seed: int = 0,
-        prefix_tokens: int = 1024,
-        score_tokens: int = 256,
-    ) -> None:
-        if dataset not in TEXT_FIELDS:
-            raise ValueError(f"task.dataset={dataset!r} is unknown; choose one of {sorted(TEXT_FIELDS)}")
-        if dataset == "jsonl" and not path:
-            raise ValueError("task.dataset=jsonl needs task.path=<file.jsonl> with a 'text' field per line")
-        if int(prefix_tokens) < 1 or int(score_tokens) < 1:
-            raise ValueError("task.prefix_tokens and task.score_tokens must both be >= 1")
-        self.dataset, self.split, self.data_dir = dataset, split, data_dir
-        self.path = Path(path) if path else None
-        self.subset = subset if dataset == "longbench" else None
-        self.text_field = text_field or TEXT_FIELDS[dataset]
-        self.n, self.seed = n, int(seed)
-        self.prefix_tokens, self.score_tokens = int(prefix_tokens), int(score_tokens)
+    source: HubSource = field(default_factory=HubSource)
+    columns: Columns = field(default_factory=Columns)
+    subset: str | None = None  # the rows' file (in the source's archive or data_dir); None: the split's
+    split: str = "test"
+    data_dir: str | None = None
+    path: str | None = None  # a JSONL file of {"text": ...} lines, read instead of the source
+    n: int | None = 8
+    seed: int = 0
+    prefix_tokens: int = 1024
+    score_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.prefix_tokens < 1 or self.score_tokens < 1:
+            raise TaskError("task.prefix_tokens and task.score_tokens must both be >= 1")
+
+    def _label(self) -> str:
+        return self.subset or f"split {self.split!r}"
 
     def validate(self) -> None:
-        if self.dataset == "jsonl":
-            if self.path is None or not self.path.is_file():
+        if self.path is not None:
+            if not Path(self.path).is_file():
                 raise FileNotFoundError(f"task.path={self.path} does not exist")
         else:
-            check_records(self.dataset, self.split, self.data_dir, self.subset)
+            check_records(self.source, self.subset or self.split, self._label(), self.data_dir)
 
     def _records(self) -> list[dict[str, Any]]:
-        if self.dataset == "jsonl" and self.path is not None:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
-            return [json.loads(line) for line in lines if line.strip()]
-        return load_records(self.dataset, self.split, self.data_dir, self.subset)
+        if self.path is not None:
+            return read_jsonl(Path(self.path))
+        return load_records(self.source, self.subset or self.split, self._label(), self.split, self.data_dir)
 
     def examples(self) -> list[Example]:
         need = MIN_CHARS_PER_TOKEN * (self.prefix_tokens + self.score_tokens)
-        label = self.subset or self.dataset
+        label = self.subset or "text"
         docs = []
         for index, record in enumerate(self._records()):
-            text = record.get(self.text_field) or ""
+            text = record.get(self.columns.text) or ""
             if len(text) >= need:
-                doc_id = record.get("_id") or record.get("id") or f"{label}-{index}"
+                doc_id = record.get(self.columns.id or "") or f"{label}-{index}"
                 docs.append(Example(id=str(doc_id), prompt=text, meta={"index": index}))
         if not docs:
-            raise ValueError(
+            raise TaskError(
                 f"no {label} document has the {need} characters that {self.prefix_tokens} + "
                 f"{self.score_tokens} tokens need; lower task.prefix_tokens or task.score_tokens"
             )

@@ -1,9 +1,12 @@
-"""Shared prompt helpers: chat templating and middle truncation, so every task renders the same way."""
+"""Shared prompt helpers: chat templating, middle truncation and the context/question split, so every task
+renders the same way."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+from kvbench.tasks.base import RenderedPrompt, TaskError
 
 log = logging.getLogger("kvbench")
 _NO_TEMPLATE_LOGGED: set[str] = set()
@@ -31,8 +34,16 @@ def render_ids(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
     A base model such as Gemma 3 270M has no template: ``chat_template=true`` then falls back to
     the plain prompt (Gemma: BOS + text), said once per tokenizer in the log rather than refused.
     """
-    if chat_template and getattr(tokenizer, "chat_template", None):
+    if chat_available(tokenizer, chat_template):
         return chat_ids(tokenizer, text)
+    return list(tokenizer(text)["input_ids"])
+
+
+def chat_available(tokenizer: Any, chat_template: bool) -> bool:
+    """Whether a prompt asked to go through the chat template can: the tokenizer has one (else said once in the
+    log, and the prompt is fed as plain text)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return True
     if chat_template:
         name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         if name not in _NO_TEMPLATE_LOGGED:
@@ -40,7 +51,7 @@ def render_ids(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
             log.info(
                 "tokenizer %s has no chat template: prompts are fed as plain text with its own special tokens", name
             )
-    return list(tokenizer(text)["input_ids"])
+    return False
 
 
 def truncate_middle(ids: list[int], max_tokens: int | None) -> tuple[list[int], bool]:
@@ -49,3 +60,46 @@ def truncate_middle(ids: list[int], max_tokens: int | None) -> tuple[list[int], 
         return ids, False
     head = max_tokens // 2
     return ids[:head] + ids[len(ids) - (max_tokens - head) :], True
+
+
+def render_prompt(
+    tokenizer: Any, context_part: str, question_part: str, *, chat: bool, max_prompt_tokens: int | None
+) -> RenderedPrompt:
+    """Token ids of ``context_part + question_part`` as one user turn.
+
+    With a non-empty ``question_part`` the ids are split where it starts: ``suffix_ids`` hold the
+    question and everything after it (the assistant-turn start of the chat template), and
+    ``input_ids + suffix_ids`` is always exactly the tokenisation of the whole prompt, middle-truncated
+    (positions, so the split survives the cut) when longer than ``max_prompt_tokens``.
+    """
+    text = context_part + question_part
+    if chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        # Templates may trim the content; the split point is where the question's text starts.
+        split_at = text.rfind(question_part.strip()) if question_part.strip() else len(text)
+        if split_at < 0:
+            raise TaskError("the chat template changed the question text; cannot split context and question")
+    else:
+        split_at = len(context_part)
+    # Rendered templates carry their own BOS; a plain prompt gets the tokenizer's specials.
+    full = tokenizer.encode(text, add_special_tokens=not chat)
+    head = tokenizer.encode(text[:split_at], add_special_tokens=not chat) if split_at < len(text) else full
+    cut = _common_prefix(full, head)
+    kept, truncated = truncate_middle(list(range(len(full))), max_prompt_tokens)
+    return RenderedPrompt(
+        input_ids=[full[i] for i in kept if i < cut],
+        suffix_ids=[full[i] for i in kept if i >= cut],
+        truncated=truncated,
+        n_prompt_tokens_raw=len(full),
+    )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the shared start: where the context's own tokenisation stops matching the whole."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

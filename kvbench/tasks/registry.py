@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbench.tasks.base import Task
+from kvbench.tasks.options import typed_options
 
 TASKS: dict[str, type[Task]] = {}
 
@@ -20,7 +21,8 @@ def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
 
 
 def build_task(cfg: dict[str, Any]) -> Task:
-    """Build a task from its config group: ``name`` picks the class, the other keys are its arguments."""
+    """Build a task from its config group: ``name`` picks the class, the other keys are its options (the fields of
+    its dataclass, typed: an unknown key or a value of the wrong type is a ``TaskError``)."""
     import kvbench.tasks  # noqa: F401  (imports every task module so that they register)
 
     options = dict(cfg)
@@ -28,4 +30,5 @@ def build_task(cfg: dict[str, Any]) -> Task:
     options.pop("fidelity", None)  # read by the runner (kvbench.runner.fidelity), not a task argument
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
-    return TASKS[name](**options)
+    cls = TASKS[name]
+    return cls(**typed_options(cls, options))

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 from typing import Any
 
-from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task
-from kvbench.tasks.prompting import encode, render_ids
+from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task, TaskError
+from kvbench.tasks.prompting import chat_available, encode, render_prompt
 from kvbench.tasks.registry import register_task
 
 SUBJECTS = [
@@ -52,6 +53,7 @@ OBJECTS = [
     "the salt marsh",
     "a wooden gate",
 ]
+INTRO = "Below is a long text. A piece of information is hidden in it; find it and answer the question.\n\n"
 CODA = [
     "as the day goes on.",
     "without a sound.",
@@ -69,37 +71,39 @@ def filler_sentence(rng: random.Random) -> str:
 
 
 @register_task("retrieval")
+@dataclass
 class RetrievalTask(Task):
-    """``needle=passkey``: find a 5-digit number; ``needle=kv``: look up one key among ``n_pairs``."""
+    """``needle=passkey``: find a 5-digit number; ``needle=kv``: look up one key among ``n_pairs``.
+
+    An example's ``prompt`` is its needle (the filler around it is drawn when it is rendered, to the tokenizer's
+    length); the question follows the text, compressed with it, or with ``question_aware=false`` fed after the
+    text has been compressed (``Example.question``), so that the policy cannot know what will be asked.
+    """
 
     primary_metric = "accuracy"
 
-    def __init__(
-        self,
-        n: int = 10,
-        seed: int = 0,
-        context_tokens: int = 1024,
-        depths: list[float] | None = None,
-        needle: str = "passkey",
-        n_pairs: int = 4,
-        chat_template: bool = True,
-        max_new_tokens: int = 12,
-        **_: Any,
-    ):
-        if needle not in ("passkey", "kv"):
-            raise ValueError(f"task.needle must be 'passkey' or 'kv', not {needle!r}")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"task.n must be a whole number >= 1 (synthetic prompts have no 'all'), not {n!r}")
-        self.n, self.seed, self.context_tokens = int(n), int(seed), int(context_tokens)
-        self.depths = list(depths) if depths else [i / max(1, self.n - 1) for i in range(self.n)]
-        self.needle, self.n_pairs = needle, int(n_pairs)
-        self.chat_template, self.max_new_tokens = chat_template, int(max_new_tokens)
+    n: int | None = 10  # null (every example, as the shared option allows) is refused: prompts are synthetic
+    seed: int = 0
+    context_tokens: int = 1024
+    depths: list[float] | None = None  # None: spread evenly over [0, 1]
+    needle: str = "passkey"
+    n_pairs: int = 4
+    chat_template: bool = True
+    max_new_tokens: int = 12
+    question_aware: bool = True
+
+    def __post_init__(self) -> None:
+        if self.needle not in ("passkey", "kv"):
+            raise TaskError(f"task.needle must be 'passkey' or 'kv', not {self.needle!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise TaskError(f"task.n must be a whole number >= 1 (synthetic prompts have no 'all'), not {self.n!r}")
 
     def examples(self) -> list[Example]:
+        n = int(self.n or 0)  # checked in __post_init__
+        depths = self.depths or [i / max(1, n - 1) for i in range(n)]
         out = []
-        for i in range(self.n):
+        for i in range(n):
             rng = random.Random(f"{self.seed}-{i}")
-            depth = float(self.depths[i % len(self.depths)])
             if self.needle == "passkey":
                 value = str(rng.randint(10000, 99999))
                 needle = f"The passkey is {value}. Remember it. {value} is the passkey."
@@ -116,10 +120,14 @@ class RetrievalTask(Task):
             out.append(
                 Example(
                     id=f"{self.needle}-{i}",
-                    prompt="",
+                    prompt=needle,
                     references=[value],
-                    question=question,
-                    meta={"depth": depth, "needle": needle, "rng_seed": f"{self.seed}-{i}"},
+                    question="" if self.question_aware else question,
+                    meta={
+                        "depth": float(depths[i % len(depths)]),
+                        "question": question,
+                        "rng_seed": f"{self.seed}-{i}",
+                    },
                 )
             )
         return out
@@ -127,23 +135,27 @@ class RetrievalTask(Task):
     def render(self, example: Example, tokenizer: Any) -> RenderedPrompt:
         """Grow filler until the prompt reaches ``context_tokens``, then trim whole sentences to fit."""
         rng = random.Random(example.meta["rng_seed"] + "-filler")
-        intro = "Below is a long text. A piece of information is hidden in it; find it and answer the question.\n\n"
-        overhead = len(encode(tokenizer, intro + example.meta["needle"] + "\n\n" + example.question))
+        overhead = len(encode(tokenizer, INTRO + example.prompt + "\n\n" + example.meta["question"]))
         sentences: list[str] = []
         used = 0
         while used < self.context_tokens - overhead:
             sentences.append(filler_sentence(rng))
             used += len(encode(tokenizer, " " + sentences[-1]))
-        ids = self._ids(example, tokenizer, intro, sentences)
-        while len(ids) > self.context_tokens and sentences:
+        prompt = self._render(example, tokenizer, sentences)
+        while len(prompt.input_ids) + len(prompt.suffix_ids) > self.context_tokens and sentences:
             sentences.pop()
-            ids = self._ids(example, tokenizer, intro, sentences)
-        return RenderedPrompt(input_ids=ids, n_prompt_tokens_raw=len(ids))
+            prompt = self._render(example, tokenizer, sentences)
+        return prompt
 
-    def _ids(self, example: Example, tokenizer: Any, intro: str, sentences: list[str]) -> list[int]:
+    def _render(self, example: Example, tokenizer: Any, sentences: list[str]) -> RenderedPrompt:
+        """The text with the needle at its depth, then the question: apart (as the suffix) or not."""
         at = round(example.meta["depth"] * len(sentences))
-        body = " ".join(sentences[:at] + [example.meta["needle"]] + sentences[at:])
-        return render_ids(tokenizer, f"{intro}{body}\n\n{example.question}", self.chat_template)
+        context = INTRO + " ".join(sentences[:at] + [example.prompt] + sentences[at:])
+        question = "\n\n" + example.meta["question"]
+        chat = chat_available(tokenizer, self.chat_template)
+        if example.question:
+            return render_prompt(tokenizer, context, question, chat=chat, max_prompt_tokens=None)
+        return render_prompt(tokenizer, context + question, "", chat=chat, max_prompt_tokens=None)
 
     def generation(self, example: Example) -> GenerationSettings:
         return GenerationSettings(max_new_tokens=self.max_new_tokens)

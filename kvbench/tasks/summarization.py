@@ -15,20 +15,21 @@ from kvbench.tasks.registry import register_task
 
 
 class SummarizationTask(DatasetTask):
-    """One hub dataset of (document, summary) rows; subclasses name the fields and the instruction."""
+    """One hub dataset of (document, summary) rows (``columns.text``, ``columns.reference``, from the config);
+    subclasses word the instruction."""
 
-    document_field = "document"
-    summary_field = "summary"
     instruction = ""
     default_max_new_tokens = 64
     primary_metric = "rougeL"
 
     def make_example(self, record: dict[str, Any], index: int) -> Example:
+        columns = self.columns
+        assert columns.reference is not None  # required_columns
         return self.compose(
-            str(record.get("id", index)),
-            f"Article:\n{record[self.document_field].strip()}",
+            str(record.get(columns.id or "", index)),
+            f"Article:\n{record[columns.text].strip()}",
             f"\n\n{self.instruction}\nSummary:",
-            [record[self.summary_field]],
+            [record[columns.reference]],
             {"index": index},
         )
 
@@ -49,8 +50,6 @@ class XSum(SummarizationTask):
 
 @register_task("cnn_dailymail")
 class CNNDailyMail(SummarizationTask):
-    document_field = "article"
-    summary_field = "highlights"
     instruction = "Summarise the article above in three or four short highlight sentences, one per line."
     default_max_new_tokens = 128
     primary_metric = "rougeLsum"

@@ -125,6 +125,16 @@ CASES = [
     ),
     (["task=longbench", "task.subset=klingon"], "unknown LongBench subset 'klingon'"),
     (["task=retrieval", "task.needle=haystack"], "task.needle must be 'passkey' or 'kv', not 'haystack'"),
+    # A task's options are the fields of its dataclass: an unknown one is refused with the list, a value typed.
+    (
+        ["+task.bogus=1"],
+        "task=retrieval: task.bogus is unknown; the task's options are chat_template, context_tokens, depths, "
+        "fidelity, max_new_tokens, n, n_pairs, needle, question_aware, seed",
+    ),
+    (["task=xsum", "+task.bogus=1"], "task=xsum: task.bogus is unknown; the task's options are chat_template, columns"),
+    (["task.context_tokens=lots"], "task=retrieval: task.context_tokens='lots' must be an integer"),
+    (["task.depths=[0.5,deep]"], "task=retrieval: task.depths=[0.5, 'deep'] must be a list of numbers or null"),
+    (["task=xsum", "+task.source.mirror=x"], "task=xsum: task.source.mirror is unknown; the options there are archive"),
     (["tracking.wandb.mode=loud"], "tracking.wandb.mode='loud' is unknown; choose one of online, offline, disabled"),
     (["model=hf"], "model.source=pretrained needs model.name_or_path=<hub id or local directory>"),
     (["model=hf", "model.name_or_path=./nope"], "model.name_or_path=./nope is not a model directory"),
