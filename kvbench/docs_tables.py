@@ -25,6 +25,8 @@ from kvbench.config.store import defaults_node
 
 REPO = Path(__file__).resolve().parent.parent
 META_KEYS = ("paper", "data", "scored by")
+# Where a dataset task's rows live: shown in the data column, not among the options.
+HUB_KEYS = ("name", "source", "columns")
 ARXIV = re.compile(r"arXiv:(\d{4}\.\d{4,5})")
 # A sentence ends at a full stop followed by a space, except after the abbreviations the configs use.
 SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)(?<!et al)\.(?:\s|$)")
@@ -134,7 +136,7 @@ def policy_table(configs: Path) -> str:
 def task_table(configs: Path) -> str:
     rows = ["| task | in short | data | scored by | options (defaults) |", "| --- | --- | --- | --- | --- |"]
     for d in described("task", configs):
-        options = ", ".join(f"`{key}={shown(v)}`" for key, v in d.values.items() if key != "name")
+        options = ", ".join(f"`{key}={shown(v)}`" for key, v in d.values.items() if key not in HUB_KEYS)
         meta = [cell(d.meta.get(key, "")) for key in ("data", "scored by")]
         rows.append(f"| `{d.choice}` | {cell(d.summary)} | {' | '.join(meta)} | {options} |")
     return "\n".join(rows)
