@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.models import LoadedModel, load_model
+from kvbench.registry import Registry
 
 # Tests never reach the Hugging Face hub: local files only, and nothing may hang on a network call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -91,13 +92,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def parts_a_test_registers_are_forgotten() -> Iterator[None]:
-    """A test may register its own score, scope or allocation; the next test sees the names as they were (error
-    messages list them, and docs/refused_inputs.md records those messages)."""
+def registries() -> tuple[Registry, ...]:
+    """Every registry of the package (tests/test_registry.py checks that no other exists)."""
+    from kvbench.metrics.registry import METRICS
     from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
+    from kvbench.policies.quantize import QUANTIZERS
+    from kvbench.tasks.registry import TASKS
 
-    before = {registry: set(registry.names()) for registry in (SCORES, SCOPES, ALLOCATIONS)}
+    return SCORES, SCOPES, ALLOCATIONS, QUANTIZERS, TASKS, METRICS
+
+
+@pytest.fixture(autouse=True)
+def names_a_test_registers_are_forgotten() -> Iterator[None]:
+    """A test may register its own score, task, metric...; the next test sees the names as they were (error
+    messages list them, and the profiler measures every registered score)."""
+    before = {registry: set(registry.names()) for registry in registries()}
     yield
     for registry, names in before.items():
         for name in set(registry.names()) - names:

@@ -13,16 +13,13 @@ higher-is-better under its own name, and the report says that the direction is a
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-F = TypeVar("F", bound=Callable[..., float])
+from kvbench.registry import Registry, caller, place_of
 
-# Modules whose import declares every metric a row may hold: the tasks (each task module, and the metric
-# modules it uses) and the declarations of metrics computed outside kvbench.metrics.
-DECLARING_MODULES = ("kvbench.tasks", "kvbench.metrics.task_metrics")
+F = TypeVar("F", bound=Callable[..., float])
 
 
 @dataclass(frozen=True)
@@ -34,44 +31,26 @@ class Metric:
     declared: bool = True
 
 
-_METRICS: dict[str, Metric] = {}
-_loaded = False
+# Declared by the metric modules and by the tasks (each task module, and the metric modules it uses).
+METRICS: Registry[Metric] = Registry("metric", ("kvbench.metrics", "kvbench.tasks"))
 
 
-def register_metric(name: str, *, higher_is_better: bool, label: str | None = None) -> Metric:
+def register_metric(name: str, *, higher_is_better: bool, label: str | None = None, place: str = "") -> Metric:
     """Declare a metric (``label`` defaults to the name). Declaring it again the same way is fine; declaring it
     differently is an error (two definitions would make the report's reading depend on import order)."""
-    declared = Metric(name, bool(higher_is_better), label or name)
-    held = _METRICS.setdefault(name, declared)
-    if held != declared:
-        raise ValueError(f"metric {name!r} is already declared as {held}, not {declared}")
-    return declared
+    return METRICS.add(name, Metric(name, bool(higher_is_better), label or name), place or caller())
 
 
 def metric_function(*, higher_is_better: bool, label: str | None = None) -> Callable[[F], F]:
     """Decorator: declare the metric named as the decorated function."""
 
     def declare(fn: F) -> F:
-        register_metric(fn.__name__, higher_is_better=higher_is_better, label=label)
+        register_metric(fn.__name__, higher_is_better=higher_is_better, label=label, place=place_of(fn) or "")
         return fn
 
     return declare
 
 
-def _load() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in DECLARING_MODULES:
-            importlib.import_module(module)
-
-
 def metric_info(name: str) -> Metric:
     """The declared metric, or for an undeclared name: higher is better, labelled with the name itself."""
-    _load()
-    return _METRICS.get(name) or Metric(name, higher_is_better=True, label=name, declared=False)
-
-
-def declared_metrics() -> list[Metric]:
-    _load()
-    return [_METRICS[name] for name in sorted(_METRICS)]
+    return METRICS.get(name) if name in METRICS else Metric(name, higher_is_better=True, label=name, declared=False)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.registry import Registry
+
 
 class Quantizer:
-    name: str = ""
     qmax: float = 1.0
     storage_dtype: torch.dtype = torch.int8
 
@@ -42,8 +43,11 @@ class Quantizer:
         raise NotImplementedError
 
 
+QUANTIZERS: Registry[type[Quantizer]] = Registry("quantiser", ("kvbench.policies.quantize",), Quantizer)
+
+
+@QUANTIZERS.register("int8")
 class Int8(Quantizer):
-    name = "int8"
     qmax = 127.0
     storage_dtype = torch.int8
 
@@ -58,8 +62,8 @@ class Int8(Quantizer):
         return (scale / 2).expand_as(x) * (1 + 1e-5)
 
 
+@QUANTIZERS.register("fp8")
 class Fp8(Quantizer):
-    name = "fp8"
     qmax = 448.0
     storage_dtype = torch.uint8
 
@@ -87,12 +91,10 @@ class Fp8(Quantizer):
         return torch.maximum(xf.abs() * 2.0**-4, (scale * 2.0**-10).expand_as(xf)) * (1 + 1e-5) + 1e-12
 
 
-QUANTIZERS: dict[str, type[Quantizer]] = {"int8": Int8, "fp8": Fp8}
-
-
 def build_quantizer(spec: str | None) -> Quantizer | None:
+    """``none`` (or nothing): entries are stored as they are."""
     if spec in (None, "none", False, "null"):
         return None
     if spec not in QUANTIZERS:
-        raise ValueError(f"unknown quantize {spec!r}; choose none, {', '.join(QUANTIZERS)}")
-    return QUANTIZERS[spec]()
+        raise ValueError(f"unknown quantize {spec!r}; choose one of none, {QUANTIZERS.choices()}")
+    return QUANTIZERS.get(spec)()

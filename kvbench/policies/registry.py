@@ -21,12 +21,13 @@ import inspect
 from typing import Any, TypeVar
 
 from kvbench.policies.base import Policy
-from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES, PartRegistry
+from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
 from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.recency import Recency
 from kvbench.policies.scores.shared import SharedAcrossHeads
 from kvbench.policies.statistics import STATISTICS
+from kvbench.registry import Registry
 
 P = TypeVar("P")
 POLICY_KEYS = ("name", "score", "scope", "allocation", "merge", "quantize", "positions", "sliding_layers")
@@ -36,7 +37,7 @@ def _options(spec: Any) -> dict[str, Any]:
     return dict(spec) if isinstance(spec, dict) or hasattr(spec, "items") else {"kind": spec}
 
 
-def _part(table: PartRegistry[P], spec: Any) -> P:
+def _part(table: Registry[type[P]], spec: Any) -> P:
     options = _options(spec)
     kind = options.pop("kind", None)
     what = table.what

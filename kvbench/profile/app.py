@@ -27,9 +27,10 @@ from kvbench.config.validate import check_model, check_task, plain
 from kvbench.families import layer_windows, policy_problem
 from kvbench.models import load_config, load_model
 from kvbench.policies.base import Policy
+from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy
 from kvbench.profile.collect import record
-from kvbench.profile.consistency import SCORE_KINDS, bare_scores, layer_budgets
+from kvbench.profile.consistency import bare_scores, layer_budgets
 from kvbench.profile.summary import Profile, candidate_kinds, layer_result, write_profile
 from kvbench.tasks.registry import build_task
 
@@ -51,13 +52,14 @@ def check(
         raise ConfigError(f"budgets: {err}") from err
     if not budgets:
         raise ConfigError("budgets must list at least one budget, e.g. budgets=[0.1,0.25,0.5]")
-    unknown = sorted(set(cfg.get("scores") or []) - set(SCORE_KINDS))
+    kinds = SCORES.names() if cfg.get("scores") == "all" else list(cfg.get("scores") or [])
+    unknown = sorted(set(kinds) - set(SCORES.names()))
     if unknown:
-        raise ConfigError(f"scores: unknown {unknown}; choose from {list(SCORE_KINDS)}")
+        raise ConfigError(f"scores: unknown {unknown}; give all or a list of {SCORES.choices()}")
     max_new = cfg.get("max_new_tokens")
     if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
         raise ConfigError(f"max_new_tokens={max_new!r} must be a positive integer or null (the task's own)")
-    scores = bare_scores(cfg.get("scores") or [])
+    scores = bare_scores(kinds)
     policies = {}
     model_config = load_config(
         **{k: v for k, v in model.items() if k in ("source", "name_or_path", "cache_dir", "embedded")}

@@ -16,19 +16,20 @@ import torch
 from kvbench.engine.score_inputs import per_head
 from kvbench.engine.sequence import resolve_budget
 from kvbench.policies.base import Policy
+from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy
 from kvbench.policies.state import TokenState
 from kvbench.policies.statistics import FromPositions, declared, stored_names
 from kvbench.profile.collect import PromptEnd
 from kvbench.profile.measures import attention_recall, oracle_recall
 
-# Every score, alone (scope ``all``, uniform allocation): the consistency of the score itself.
-SCORE_KINDS = ("recency", "random", "accumulated", "mean", "last", "hits", "snapkv", "key_norm", "value_aware")
 ORACLE = "oracle"
 
 
-def bare_scores(kinds: Sequence[str] = SCORE_KINDS) -> dict[str, Policy]:
-    """One policy per score kind, with nothing protected and every layer at the budget."""
+def bare_scores(kinds: Sequence[str] | None = None) -> dict[str, Policy]:
+    """One policy per score kind (every registered score by default), alone: nothing protected and every layer at
+    the budget, so what is measured is the consistency of the score itself."""
+    kinds = SCORES.names() if kinds is None else kinds
     return {kind: build_policy({"name": kind, "score": kind, "scope": "all"}) for kind in kinds}
 
 

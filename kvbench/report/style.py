@@ -1,7 +1,8 @@
 """Paper style: one colour and marker per policy in every figure, sizes for a two-column paper.
 
 A reader compares figures side by side, so a policy must look the same everywhere; names the
-table does not know get a style derived from a hash of the name, which is stable across runs.
+table does not know get a style derived from a hash of the name, which is stable across runs, and the label
+their score declares when the policy is named after its score (``label`` on the class, kvbench.registry).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.metrics.registry import metric_info
+from kvbench.policies.parts import SCORES
 
 BASELINE = "full"
 EMPHASISED = "roco"
@@ -83,7 +85,7 @@ def policy_style(name: str) -> PolicyStyle:
     return PolicyStyle(
         _FALLBACK_COLORS[digest % len(_FALLBACK_COLORS)],
         _FALLBACK_MARKERS[(digest // len(_FALLBACK_COLORS)) % len(_FALLBACK_MARKERS)],
-        name,
+        SCORES.label(name) if name in SCORES else name,
     )
 
 

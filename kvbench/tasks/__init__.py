@@ -1,3 +1,2 @@
-"""Tasks register themselves on import; importing this package makes every one available."""
-
-from kvbench.tasks import instructions, jsonl, longbench, perplexity, retrieval, summarization  # noqa: F401  # noqa: F401  # noqa: F401
+"""Tasks, one module each: every module here registers its task (``@register_task``) when imported, and the
+registry (``registry.TASKS``) imports them all on its first lookup."""

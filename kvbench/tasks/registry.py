@@ -1,20 +1,24 @@
-"""Name -> task class. A new task is one module that decorates its class, plus a config file."""
+"""Name -> task class. A new task is one module in ``kvbench/tasks/`` that decorates its class, plus a config file:
+every module of the package is imported the first time a task is looked up (``kvbench.registry``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from kvbench.registry import Registry
 from kvbench.tasks.base import Task
 from kvbench.tasks.options import typed_options
 
-TASKS: dict[str, type[Task]] = {}
+TASKS: Registry[type[Task]] = Registry("task", ("kvbench.tasks",), Task)
 
 
 def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
+    """Class decorator: the task ``name: name`` in a task config (the class's ``name`` too)."""
+
     def wrap(cls: type[Task]) -> type[Task]:
+        TASKS.register(name)(cls)
         cls.name = name
-        TASKS[name] = cls
         return cls
 
     return wrap
@@ -23,12 +27,8 @@ def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
 def build_task(cfg: dict[str, Any]) -> Task:
     """Build a task from its config group: ``name`` picks the class, the other keys are its options (the fields of
     its dataclass, typed: an unknown key or a value of the wrong type is a ``TaskError``)."""
-    import kvbench.tasks  # noqa: F401  (imports every task module so that they register)
-
     options = dict(cfg)
     name = options.pop("name")
     options.pop("fidelity", None)  # read by the runner (kvbench.runner.fidelity), not a task argument
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
-    cls = TASKS[name]
+    cls = TASKS.get(name)
     return cls(**typed_options(cls, options))

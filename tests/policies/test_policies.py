@@ -19,6 +19,7 @@ from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.generate import DecodeSettings, generate
 from kvbench.engine.plan import LayerPlan
 from kvbench.policies.derived import attention_variance, mean_attention
+from kvbench.policies.quantize import Int8
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.robust import Robust
 from kvbench.policies.scopes.sinks_window import SinksWindow
@@ -188,7 +189,7 @@ def test_stage_refusal_and_command_line_overrides():
     p = build_policy(OmegaConf.to_container(cfg.policy, resolve=True))
     assert (p.score.window, p.score.pooling, p.scope.n_sink, p.scope.window) == (16, "max", 8, 16)
     p = build_policy(OmegaConf.to_container(roco.policy, resolve=True))
-    assert p.scope.rho_decode == 0.5 and p.merge and p.quantize.name == "int8" and p.positions == "reindex"
+    assert p.scope.rho_decode == 0.5 and p.merge and isinstance(p.quantize, Int8) and p.positions == "reindex"
     with pytest.raises(ValueError, match="score 'snapkv' has no option bogus"):
         build_policy(policy_cfg("snapkv", score={"bogus": 1}))
     with pytest.raises(ValueError, match="unknown quantize 'int4'"):

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kvbench.config import ConfigError
+from kvbench.policies.parts import SCORES
 from kvbench.profile import app
 from kvbench.profile.summary import write_profile
 from kvbench.report.profile import build_profile_report, recall_figure
@@ -49,9 +50,7 @@ def test_tiny_profile_and_report(tmp_path, one_thread):
     for name, values in data["recall_mean"].items():
         assert all(v <= o + 1e-6 for v, o in zip(values, oracle)), name
         assert values[-1] == pytest.approx(1.0), name  # the whole prompt kept
-    assert {k for k, v in data["kinds"].items() if v == "score"} == {
-        f"score/{s}" for s in profile_config(*TINY)["scores"]
-    }
+    assert {k for k, v in data["kinds"].items() if v == "score"} == {f"score/{s}" for s in SCORES.names()}
     write_profile(data, tmp_path)
     paths = build_profile_report(tmp_path)
     assert all(p.exists() for p in paths)

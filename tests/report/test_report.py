@@ -8,11 +8,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from matplotlib.container import ErrorbarContainer
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from kvbench.metrics.registry import register_metric
+from kvbench.policies.base import Score
+from kvbench.policies.parts import register_score
+from kvbench.policies.state import TokenState
 from kvbench.report.aggregate import (
     bootstrap,
     cell_stats,
@@ -188,6 +192,21 @@ def test_policy_keeps_its_colour_and_roco_is_emphasised(tmp_path: Path) -> None:
     lines = {p: policy_line(figures[0], p) for p in policies}
     assert lines["roco"].get_linewidth() > max(lines[p].get_linewidth() for p in ("h2o", "my_new_policy"))
     assert lines["roco"].get_zorder() > max(lines[p].get_zorder() for p in ("h2o", "my_new_policy"))
+
+
+def test_a_new_policy_named_after_its_score_is_labelled_as_the_score_declares(tmp_path: Path) -> None:
+    @register_score("keydiff_like")
+    class KeyDiffLike(Score):
+        label = "KeyDiff-like"
+
+        def __call__(self, state: TokenState) -> torch.Tensor:
+            return state.positions.float()
+
+    write_rows(tmp_path / "s", [row(p, 0.5, 0.5) for p in ("keydiff_like", "my_new_policy")])
+    stats, column, _ = stats_of(tmp_path / "s")
+    figure = budget_figure(stats[stats["quantity"].eq(column)], "prefill", "q")
+    legends = [*figure.legends, *(ax.get_legend() for ax in figure.axes if ax.get_legend())]
+    assert {t.get_text() for legend in legends for t in legend.get_texts()} >= {"KeyDiff-like", "my_new_policy"}
 
 
 def test_markdown_bolds_best_per_column_in_the_metric_direction(tmp_path: Path) -> None:

@@ -53,8 +53,8 @@ def task_class(guide: dict[str, str]) -> Iterator[type]:
     module = types.ModuleType("variable_tracking_from_guide")
     sys.modules[module.__name__] = module  # a dataclass looks its module up while it is built
     exec(compile(guide["python"], str(GUIDE), "exec"), module.__dict__)
-    yield TASKS["variable_tracking"]
-    TASKS.pop("variable_tracking")
+    yield TASKS.get("variable_tracking")
+    TASKS.unregister("variable_tracking")
     del sys.modules[module.__name__]
 
 

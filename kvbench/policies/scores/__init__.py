@@ -6,7 +6,3 @@ A score maps a layer's ``TokenState`` to a float [kv_heads, n]; higher survives.
 head by the MEAN of their attention probabilities (engine.attention), so every score is per KV head, the unit the
 cache stores.
 """
-
-from kvbench.policies.parts import import_modules
-
-import_modules(__name__, __path__)
