@@ -47,10 +47,13 @@ def _short_keys(keys: Iterable[str]) -> dict[str, str]:
 
 
 def shared_settings(rows: pd.DataFrame) -> list[Entry]:
-    """The settings every row has (in the first row's order): said once, not in every label."""
-    if SETTINGS not in rows or rows.empty:
+    """The settings every row that records them has (in the first one's order): said once, not in every label.
+    Rows written before settings were recorded are named as they always were, so a rerun of such a sweep (its
+    shared settings now recorded) names its cells as before."""
+    recorded = rows[SETTINGS][rows[SETTINGS].map(lambda s: isinstance(s, Mapping))] if SETTINGS in rows else []
+    if not len(recorded):
         return []
-    kinds = rows[SETTINGS].map(entries).drop_duplicates().tolist()
+    kinds = recorded.map(entries).drop_duplicates().tolist()
     common = set(kinds[0]).intersection(*kinds[1:])
     return [entry for entry in kinds[0] if entry in common]
 

@@ -246,11 +246,10 @@ COLUMNS = frozenset(_leaves(Row) + _leaves(Summary) + _leaves(CapacitySummary))
 
 
 def upgrade(record: dict[str, Any]) -> dict[str, Any]:
-    """A row as this version writes it. Rows from before batching have no batch size (they ran alone), rows
-    from before capacity cells no kind (they were examples) and rows from before settings none (their cells were
-    named by the axes alone)."""
+    """A row as this version writes it. Rows from before batching have no batch size (they ran alone) and rows
+    from before capacity cells no kind (they were examples). Rows from before ``settings`` stay without: what
+    their cells changed of the defaults was not recorded (``config.yaml`` beside them has it)."""
     out = dict(record)
     out.setdefault(KIND, KIND_CAPACITY if CAPACITY_BATCH in out else KIND_EXAMPLE)
     out.setdefault(BATCH_SIZE, 1)
-    out.setdefault(SETTINGS, {})
     return out

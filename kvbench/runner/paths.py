@@ -9,9 +9,9 @@ can change rows, however it was given (command line, sweep, preset), is part of 
 a directory per value, and a cell at its named defaults keeps the plain path. A change too long or too odd for a
 directory name is shortened and completed by a hash of it.
 
-Left out: the bookkeeping keys (``results_dir``, ``tracking``, ...: ``kvbench.results.writer``) and what the
-model's name stands for (its source and weights, and where they are cached). The cell's ``config.yaml`` still
-pins all of them but the bookkeeping keys: a rerun whose config differs anywhere else is refused.
+Left out: the bookkeeping keys (``results_dir``, ``tracking``, ``model.cache_dir``, ...:
+``kvbench.results.writer``) and what the model's name stands for (its source and weights). The cell's
+``config.yaml`` still pins all but the bookkeeping keys: a rerun whose config differs anywhere else is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kvbench.results.writer import BOOKKEEPING_KEYS
 
 AXES = ("budget", "stage", "batch_size")  # run settings the directory names by themselves
 NAMED_BY = {
-    "model": ("name", "source", "embedded", "name_or_path", "cache_dir"),  # the model's name stands for its weights
+    "model": ("name", "source", "embedded", "name_or_path"),  # the model's name stands for its weights
     "task": ("name", "subset"),
     "policy": ("name",),
 }
@@ -53,7 +53,7 @@ def flat_settings(config: Mapping[str, Any]) -> dict[str, Any]:
             _flatten(config[key], key, out)
     for group in GROUPS:
         for key, value in (config.get(group) or {}).items():
-            if key not in NAMED_BY[group]:
+            if key not in NAMED_BY[group] and f"{group}.{key}" not in BOOKKEEPING_KEYS:
                 _flatten(value, f"{group}.{key}", out)
     return out
 
