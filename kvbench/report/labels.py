@@ -50,12 +50,23 @@ def shared_settings(rows: pd.DataFrame) -> list[Entry]:
     """The settings every row that records them has (in the first one's order): said once, not in every label.
     Rows written before settings were recorded are named as they always were, so a rerun of such a sweep (its
     shared settings now recorded) names its cells as before."""
-    recorded = rows[SETTINGS][rows[SETTINGS].map(lambda s: isinstance(s, Mapping))] if SETTINGS in rows else []
-    if not len(recorded):
+    if SETTINGS not in rows:
         return []
-    kinds = recorded.map(entries).drop_duplicates().tolist()
+    kinds = list(dict.fromkeys(entries(s) for s in rows[SETTINGS] if isinstance(s, Mapping)))
+    if not kinds:
+        return []
     common = set(kinds[0]).intersection(*kinds[1:])
     return [entry for entry in kinds[0] if entry in common]
+
+
+def _by_column(own: tuple[Entry, ...], shared: set[Entry]) -> dict[str, list[Entry]]:
+    """A cell's changes that not every cell shares, under the column that names them (the run's: the policy)."""
+    out: dict[str, list[Entry]] = {column: [] for column in COLUMN_OF.values()}
+    for key, value in own:
+        if (key, value) not in shared:
+            group, inner = owner(key)
+            out[COLUMN_OF.get(group, POLICY)].append((inner, value))
+    return out
 
 
 def label_cells(rows: pd.DataFrame) -> pd.DataFrame:
@@ -70,21 +81,14 @@ def label_cells(rows: pd.DataFrame) -> pd.DataFrame:
     cells: dict[tuple[tuple[Entry, ...], int], list[Any]] = {}
     for index, cell in zip(rows.index, zip(settings, batch)):
         cells.setdefault(cell, []).append(index)
-    changes: dict[tuple[tuple[Entry, ...], int], dict[str, list[Entry]]] = {}
-    for own, size in cells:
-        by_column: dict[str, list[Entry]] = {column: [] for column in COLUMN_OF.values()}
-        for key, value in own:
-            group, inner = owner(key)
-            if (key, value) not in shared:
-                by_column[COLUMN_OF.get(group, POLICY)].append((inner, value))
-        changes[own, size] = by_column
+    changes = {own: _by_column(own, shared) for own, _ in cells}
     short = {
         column: _short_keys(key for by_column in changes.values() for key, _ in by_column[column])
         for column in COLUMN_OF.values()
     }
     out = rows.copy()
     for (own, size), index in cells.items():
-        for column, changed in changes[own, size].items():
+        for column, changed in changes[own].items():
             parts = [f"{short[column][key]}={value}" for key, value in changed]
             parts += [f"batch {size}"] if column == POLICY and size > 1 else []
             if parts:
