@@ -115,10 +115,12 @@ def cell_path(config: Mapping[str, Any], settings: Mapping[str, Any]) -> str:
 
 
 @functools.cache
-def named_defaults(config_name: str, choices: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    """The config Hydra composes from these group choices and nothing else (no preset, no override)."""
-    composed = compose(config_name, overrides=[f"{group}={choice}" for group, choice in choices])
-    plain = OmegaConf.to_container(composed, resolve=True)
+def named_defaults(config_name: str, choices: tuple[str, ...], searchpath: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The config Hydra composes from these group choices (``policy=h2o``, ...) and nothing else (no preset, no
+    other override), finding config files where the run found them (``hydra.searchpath``)."""
+    quoted = ",".join("'" + path.replace("'", "\\'") + "'" for path in searchpath)
+    overrides = [*choices, *([f"hydra.searchpath=[{quoted}]"] if searchpath else [])]
+    plain = OmegaConf.to_container(compose(config_name, overrides=overrides), resolve=True)
     assert isinstance(plain, dict)  # a composed config is a mapping
     return {str(key): value for key, value in plain.items()}
 
@@ -126,8 +128,9 @@ def named_defaults(config_name: str, choices: tuple[tuple[str, str], ...]) -> di
 def hydra_settings(config: Mapping[str, Any], hydra: Any) -> dict[str, Any]:
     """``changed_settings`` of a resolved config against the named defaults of the choices Hydra made for it
     (``hydra`` is Hydra's own node of the run). Needs Hydra initialised, as it is inside ``kvbench-run``."""
-    choices = tuple((group, str(hydra.runtime.choices[group])) for group in GROUPS)
-    return changed_settings(config, named_defaults(str(hydra.job.config_name), choices))
+    choices = tuple(f"{group}={hydra.runtime.choices[group]}" for group in GROUPS)
+    searchpath = tuple(str(path) for path in hydra.searchpath)
+    return changed_settings(config, named_defaults(str(hydra.job.config_name), choices, searchpath))
 
 
 def job_settings(cfg: DictConfig) -> dict[str, Any]:

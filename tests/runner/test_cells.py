@@ -84,6 +84,19 @@ def test_what_a_cell_changes_follows_the_name_it_changes():
     assert cell_dir(*smoke) == "tiny-llama/retrieval/n=2,context_tokens=192,max_new_tokens=6/window/prefill/budget=0.5"
 
 
+def test_a_policy_from_another_config_directory_is_measured_against_its_own_file(tmp_path):
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "mine.yaml").write_text(
+        "name: mine\nscore: none\nscope:\n  kind: sinks_window\n  window: 4\n"
+    )
+    found = f"hydra.searchpath=[file://{tmp_path}]"
+    assert cell_dir(found, "policy=mine") == "smollm2-135m/retrieval/mine/prefill/budget=0.5"
+    assert (
+        cell_dir(found, "policy=mine", "policy.scope.window=8")
+        == "smollm2-135m/retrieval/mine/scope.window=8/prefill/budget=0.5"
+    )
+
+
 def test_a_long_or_odd_change_is_shortened_and_hashed():
     assert segment({"path": "a.jsonl", "n": 3}) == "path=a.jsonl,n=3"
     odd = segment({"path": "/data/qa/a.jsonl"})
