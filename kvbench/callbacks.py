@@ -57,6 +57,8 @@ def summary_table(sweep_dir: Path) -> str:
     """One line per finished cell under ``sweep_dir``, read from the cells' summary.json files."""
     import pandas as pd
 
+    from kvbench.report.labels import label_cells
+
     records = []
     for path in sorted(Path(sweep_dir).rglob(SUMMARY_FILE)):
         try:
@@ -65,7 +67,7 @@ def summary_table(sweep_dir: Path) -> str:
             continue
     if not records:
         return f"no finished cells under {sweep_dir}"
-    frame = pd.DataFrame(records)
+    frame = label_cells(pd.DataFrame(records))  # variants of one policy or task named apart
     hybrid = mean_column(KV_RESIDENT_BYTES_SLIDING) in frame.columns
     keep = [(src, dst) for src, dst in COLUMNS if src in frame.columns and (hybrid or src not in HYBRID_ONLY)]
     frame = frame[[src for src, _ in keep]].rename(columns=dict(keep))

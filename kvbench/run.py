@@ -22,6 +22,7 @@ from kvbench.config import ConfigError
 from kvbench.results.schema import MEAN_PREFIX, SCORE
 from kvbench.results.writer import CellBusy, CellConflict, write_error
 from kvbench.runner.cell import run_cell
+from kvbench.runner.paths import job_settings
 
 log = logging.getLogger("kvbench")
 # configs/hydra/launcher/{joblib,submitit_local,submitit_slurm}.yaml are complete launcher configs named
@@ -37,7 +38,7 @@ def main(cfg: DictConfig) -> None:
     cell_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     try:
-        summary = run_cell(cfg, cell_dir, str(cfg.sweep_name), skip_busy=multirun)
+        summary = run_cell(cfg, cell_dir, str(cfg.sweep_name), settings=job_settings(cfg), skip_busy=multirun)
         log.info("done: %s", {k: v for k, v in summary.items() if not k.startswith(MEAN_PREFIX) or SCORE in k})
     except (ConfigError, CellBusy, CellConflict) as err:
         print(f"kvbench: {err}", file=sys.stderr)

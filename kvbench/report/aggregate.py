@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from kvbench.report.style import BASELINE, sort_policies, sort_stages
+from kvbench.report.style import is_baseline, sort_policies, sort_stages
 from kvbench.results.schema import (
     BUDGET,
     BUDGET_ACHIEVED,
@@ -122,11 +122,12 @@ def cell_stats(rows: pd.DataFrame, quantities: Sequence[str], n_boot: int = N_BO
 
 
 def with_full_baseline(stats: pd.DataFrame) -> pd.DataFrame:
-    """Copy the full-cache cells into stages that lack them: without eviction the stage is moot."""
-    full = stats[stats[POLICY].eq(BASELINE)]
+    """Copy the full-cache cells (each of its variants) into stages that lack them: without eviction the stage
+    is moot."""
+    full = stats[stats[POLICY].map(is_baseline)]
     stages = sort_stages(stats[STAGE].unique())
     copies = []
-    for _, cells in full.groupby([MODEL, TASK]):
+    for _, cells in full.groupby([MODEL, TASK, POLICY]):
         have = sort_stages(cells[STAGE].unique())
         source = cells[cells[STAGE].eq(have[0])]
         copies += [source.assign(stage=stage) for stage in stages if stage not in have]
@@ -159,12 +160,12 @@ def _sorted_cells(frame: pd.DataFrame) -> pd.DataFrame:
 def missing_cells(rows: pd.DataFrame) -> pd.DataFrame:
     """Cells of the grid (seen policies x budgets x tasks x models x stages) with no row at all.
 
-    The full cache needs one cell per model and task, at any budget and stage.
+    The full cache (each of its variants) needs one cell per model and task, at any budget and stage.
     """
     columns = [*CELL, "budget_kind", "budget_value"]
     if rows.empty:
         return pd.DataFrame(columns=columns)
-    evicting = rows[~rows[POLICY].eq(BASELINE)]
+    evicting = rows[~rows[POLICY].map(is_baseline)]
     budgets = evicting[[BUDGET, "budget_kind", "budget_value"]].drop_duplicates().itertuples(index=False)
     budgets = list(budgets)
     present = set(rows[CELL].itertuples(index=False, name=None))
@@ -176,10 +177,10 @@ def missing_cells(rows: pd.DataFrame) -> pd.DataFrame:
         )
         if (model, task, stage, policy, budget) not in present
     ]
-    if (rows[POLICY] == BASELINE).any():
-        have_full = set(rows.loc[rows[POLICY].eq(BASELINE), [MODEL, TASK]].itertuples(index=False, name=None))
+    for full, cells in rows[rows[POLICY].map(is_baseline)].groupby(POLICY):
+        have_full = set(cells[[MODEL, TASK]].itertuples(index=False, name=None))
         missing += [
-            (model, task, "any", BASELINE, "any", 3, np.inf)
+            (model, task, "any", full, "any", 3, np.inf)
             for model, task in itertools.product(models, tasks)
             if (model, task) not in have_full
         ]

@@ -24,6 +24,7 @@ from kvbench.report.aggregate import (
     with_full_baseline,
 )
 from kvbench.report.capacity import capacity_figures
+from kvbench.report.labels import shared_settings
 from kvbench.report.load import Loaded, load_rows
 from kvbench.report.paired import paired_differences, paired_markdown
 from kvbench.report.plots import budget_figure, pareto_figure, save_figure
@@ -216,6 +217,10 @@ def build_report(
         f"Error bars: 95 % percentile bootstrap over examples ({n_boot} resamples, seed {seed}). "
         "x = mean achieved budget of the cell; the dashed line is the full cache.",
     ]
+    shared = shared_settings(rows)
+    if shared:
+        listed = ", ".join(f"`{key}={value}`" for key, value in shared)
+        parts += ["", f"Every cell changes these of its named defaults: {listed}."]
     if not missing.empty:
         parts += ["", f"**Partial sweep: {len(missing)} missing cells, listed under Coverage.**"]
     for title, images in sections.items():

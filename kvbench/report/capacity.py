@@ -12,7 +12,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from kvbench.report.plots import save_figure
-from kvbench.report.style import BASELINE, SINGLE_COLUMN_IN, policy_style, sort_policies
+from kvbench.report.style import SINGLE_COLUMN_IN, is_baseline, policy_style, sort_policies
 from kvbench.results.schema import (
     CAPACITY_BATCH,
     CAPACITY_MEMORY_GIB,
@@ -41,7 +41,7 @@ def _budget_axis(fig: Figure, cells: pd.DataFrame, column: str, label: str) -> N
     for policy in sort_policies(cells[POLICY].unique()):
         part = cells[cells[POLICY].eq(policy)].sort_values("budget_value")
         style = policy_style(policy)
-        if policy == BASELINE:
+        if is_baseline(policy):
             ax.axhline(float(part[column].iloc[0]), color=style.color, linestyle="--", label=policy)
             continue
         ax.plot(part["budget_value"] * 100, part[column], marker=style.marker, color=style.color, label=policy)
@@ -76,8 +76,8 @@ def capacity_figures(rows: pd.DataFrame, out_dir: Path) -> list[str]:
                 part[DECODE_TOKENS_PER_S],
                 marker=style.marker,
                 color=style.color,
-                linestyle="--" if policy == BASELINE else "-",
-                label=policy if policy == BASELINE else f"{policy} {budget * 100:g}%",
+                linestyle="--" if is_baseline(policy) else "-",
+                label=policy if is_baseline(policy) else f"{policy} {budget * 100:g}%",
             )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.results.schema import BATCH_SIZE, BUDGET, CELL, EXAMPLE_ID, POLICY, STATUS, STATUS_OK, upgrade
+from kvbench.report.labels import label_cells
+from kvbench.results.schema import BUDGET, CELL, EXAMPLE_ID, STATUS, STATUS_OK, upgrade
 from kvbench.results.writer import ROWS_FILE
 
 # An example within a cell (CELL: one point of a figure).
@@ -78,7 +79,8 @@ def _budget_order(value: object) -> tuple[int, float]:
 
 
 def _normalise(frame: pd.DataFrame) -> pd.DataFrame:
-    """Identity columns as strings, the budget as a label plus a sort key, status filled in."""
+    """Identity columns as strings (model, task and policy labelled by what sets their cells apart), the budget as
+    a label plus a sort key, status filled in."""
     for column in EXAMPLE:
         if column not in frame:
             frame[column] = "unknown"
@@ -90,10 +92,8 @@ def _normalise(frame: pd.DataFrame) -> pd.DataFrame:
     frame["budget_value"] = order.map(lambda o: o[1])
     frame[BUDGET] = raw_budget.map(budget_label)
     frame[STATUS] = frame.get(STATUS, pd.Series(STATUS_OK, index=frame.index)).fillna(STATUS_OK).astype(str)
-    # A batch's timings are not one sequence's: never on one line with them.
-    batch = pd.to_numeric(frame[BATCH_SIZE], errors="coerce").fillna(1).astype(int)
-    frame.loc[batch > 1, POLICY] = frame[POLICY] + " (batch " + batch.astype(str) + ")"
-    return frame
+    # Cells that differ in a setting or a batch size are named apart, so they are never averaged together.
+    return label_cells(frame)
 
 
 def load_rows(roots: Iterable[Path | str]) -> Loaded:

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.report.aggregate import N_BOOT, bootstrap
-from kvbench.report.style import BASELINE, lower_is_better, sort_policies
+from kvbench.report.style import is_baseline, lower_is_better, sort_policies
 from kvbench.report.tables import BLOCK, markdown_table
 from kvbench.results.schema import BUDGET, EXAMPLE_ID, MODEL, POLICY, STAGE, STATUS, STATUS_OK, TASK
 
@@ -25,9 +25,9 @@ PAIRED_COLUMNS = [*BLOCK, BUDGET, POLICY, "baseline", "diff", "ci_low", "ci_high
 def _baseline_rows(block: pd.DataFrame, everything: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """The baseline's rows for one block; the full cache ignores budget and stage, so any of its rows serve."""
     rows = block[block[POLICY].eq(baseline)]
-    if rows.empty and baseline == BASELINE:
+    if rows.empty and is_baseline(baseline):
         model, task = block[MODEL].iat[0], block[TASK].iat[0]
-        full = everything[everything[POLICY].eq(BASELINE) & everything[MODEL].eq(model) & everything[TASK].eq(task)]
+        full = everything[everything[POLICY].eq(baseline) & everything[MODEL].eq(model) & everything[TASK].eq(task)]
         rows = full[full[STAGE].eq(full[STAGE].iat[0])] if len(full) else full
     return rows
 

@@ -18,7 +18,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from kvbench.report.aggregate import pareto_mask
-from kvbench.report.style import BASELINE, PAPER_RC, SINGLE_COLUMN_IN, WIDE_IN, policy_style, sort_policies
+from kvbench.report.style import PAPER_RC, SINGLE_COLUMN_IN, WIDE_IN, is_baseline, policy_style, sort_policies
 from kvbench.results.schema import CELL, MODEL, POLICY, STAGE, TASK
 
 X_LABEL = "KV budget achieved (%)"
@@ -79,7 +79,7 @@ def _draw_budget_panel(ax: Axes, panel: pd.DataFrame, handles: LegendHandles) ->
         cells = panel[panel[POLICY].eq(policy)].dropna(subset=["x", "y"]).sort_values("x")
         if cells.empty:
             continue
-        if policy == BASELINE:
+        if is_baseline(policy):
             line = ax.axhline(
                 _baseline_y(cells), ls="--", color=style.color, lw=1.0, label=style.label, gid=policy, zorder=1.5
             )

@@ -1,8 +1,9 @@
 """Paper style: one colour and marker per policy in every figure, sizes for a two-column paper.
 
 A reader compares figures side by side, so a policy must look the same everywhere; names the
-table does not know get a style derived from a hash of the name, which is stable across runs, and the label
-their score declares when the policy is named after its score (``label`` on the class, kvbench.registry).
+table does not know, and variants of a known policy (``h2o (window=0.75)``, see ``labels``), get a
+colour derived from a hash of the label, which is stable across runs; a policy named after its score shows the
+label that score declares (``label`` on the class, kvbench.registry).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from kvbench.metrics.registry import metric_info
 from kvbench.policies.parts import SCORES
+from kvbench.report.labels import base_name
 
 BASELINE = "full"
 EMPHASISED = "roco"
@@ -77,22 +79,30 @@ _FALLBACK_MARKERS = ("8", "H", "+", "1", "|")
 
 
 def policy_style(name: str) -> PolicyStyle:
-    """The style of ``name``; unknown names get a deterministic colour/marker from a CRC of the name."""
-    known = _KNOWN.get(name.lower())
-    if known is not None:
+    """The style of ``name``; unknown names get a deterministic colour/marker from a CRC of the name, and a
+    variant of a known policy its marker and display name with a colour from a CRC of the whole label."""
+    base = base_name(name)
+    known = _KNOWN.get(base.lower())
+    if known is not None and base == name:
         return known
     digest = zlib.crc32(name.encode())
-    return PolicyStyle(
-        _FALLBACK_COLORS[digest % len(_FALLBACK_COLORS)],
-        _FALLBACK_MARKERS[(digest // len(_FALLBACK_COLORS)) % len(_FALLBACK_MARKERS)],
-        SCORES.label(name) if name in SCORES else name,
-    )
+    color = _FALLBACK_COLORS[digest % len(_FALLBACK_COLORS)]
+    if known is not None:
+        return PolicyStyle(color, known.marker, known.label + name[len(base) :], known.linewidth, known.zorder)
+    shown = (SCORES.label(base) if base in SCORES else base) + name[len(base) :]
+    return PolicyStyle(color, _FALLBACK_MARKERS[(digest // len(_FALLBACK_COLORS)) % len(_FALLBACK_MARKERS)], shown)
+
+
+def is_baseline(name: str) -> bool:
+    """The full cache, whatever settings its label names (a quantised full cache is a reference too)."""
+    return base_name(name) == BASELINE
 
 
 def sort_policies(names: Iterable[str]) -> list[str]:
-    """Known policies in table order (baseline first), then the others alphabetically."""
+    """Known policies in table order (baseline first, each followed by its variants), then the others
+    alphabetically."""
     order = {name: i for i, name in enumerate(_KNOWN)}
-    return sorted(set(names), key=lambda n: (order.get(n.lower(), len(order)), n))
+    return sorted(set(names), key=lambda n: (order.get(base_name(n).lower(), len(order)), n))
 
 
 def sort_stages(names: Iterable[str]) -> list[str]:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from kvbench.report.style import BASELINE, direction, lower_is_better, metric_label, sort_policies, sort_stages
+from kvbench.report.style import direction, is_baseline, lower_is_better, metric_label, sort_policies, sort_stages
 from kvbench.results.schema import BUDGET, MODEL, POLICY, SCORE, STAGE, TASK
 
 BLOCK = [MODEL, TASK, STAGE]
@@ -75,7 +75,7 @@ def quality_csv(stats: pd.DataFrame, metric_names: Mapping[str, str]) -> pd.Data
 def _bold_best(block: pd.DataFrame, lower: bool) -> pd.DataFrame:
     """Text cells, the best non-baseline value of each column (and its displayed ties) in bold."""
     text = block.apply(lambda column: column.map(format_value))
-    contenders = block.drop(index=BASELINE, errors="ignore")
+    contenders = block[~block.index.map(is_baseline)]
     for column in block.columns:
         values = contenders[column].dropna()
         if values.empty:

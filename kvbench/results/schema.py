@@ -33,6 +33,9 @@ class CellIdentity:
     batch_size: int  # sequences decoded together (1: alone)
     run_dir: str  # the cell's directory, relative to results_dir
     sweep: str  # the sweep's name
+    # What the cell's config changes of its named model's, task's and policy's defaults, as dotted key -> value
+    # (kvbench.results.settings); empty at the defaults. The report labels cells by it.
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,7 @@ def mean_column(column: str) -> str:
 
 MODEL, TASK, POLICY, BUDGET, STAGE = "model", "task", "policy", "budget", "stage"
 CELL = [MODEL, TASK, STAGE, POLICY, BUDGET]  # what makes a point of a figure (and a cell, less the batch size)
-BATCH_SIZE = "batch_size"
+BATCH_SIZE, SETTINGS = "batch_size", "settings"
 EXAMPLE_ID, KIND, STATUS, ERROR = "example_id", "kind", "status", "error"
 PRIMARY_METRIC, SCORE, PREDICTION = "primary_metric", "score", "prediction"
 BUDGET_ACHIEVED, BUDGET_ACHIEVED_FULL = "budget_achieved", "budget_achieved_full"
@@ -244,7 +247,8 @@ COLUMNS = frozenset(_leaves(Row) + _leaves(Summary) + _leaves(CapacitySummary))
 
 def upgrade(record: dict[str, Any]) -> dict[str, Any]:
     """A row as this version writes it. Rows from before batching have no batch size (they ran alone) and rows
-    from before capacity cells no kind (they were examples)."""
+    from before capacity cells no kind (they were examples). Rows from before ``settings`` stay without: what
+    their cells changed of the defaults was not recorded (``config.yaml`` beside them has it)."""
     out = dict(record)
     out.setdefault(KIND, KIND_CAPACITY if CAPACITY_BATCH in out else KIND_EXAMPLE)
     out.setdefault(BATCH_SIZE, 1)

@@ -32,8 +32,9 @@ ROWS_FILE = "rows.jsonl"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.yaml"
 ERROR_FILE = "error.txt"
-# Keys of the run config that say where results go or how they are reported, not what a row means.
-BOOKKEEPING_KEYS = ("results_dir", "sweep_name", "print_table", "tracking", "hydra")
+# Keys of the run config that say where results (or converted weights) go or how they are reported, not what a
+# row means; dotted ones lie below a top-level key.
+BOOKKEEPING_KEYS = ("results_dir", "sweep_name", "print_table", "tracking", "hydra", "model.cache_dir")
 
 
 class CellBusy(RuntimeError):
@@ -48,6 +49,10 @@ def semantic_config(config: dict[str, Any], evicts: bool = True) -> dict[str, An
     """The part of a cell's resolved config that decides its rows. The full cache ignores the budget,
     so all its budgets share one cell (see ``kvbench.runner.paths.cell_path``)."""
     out = {k: v for k, v in config.items() if k not in BOOKKEEPING_KEYS}
+    for key in BOOKKEEPING_KEYS:
+        group, _, inner = key.partition(".")
+        if inner and isinstance(out.get(group), dict):
+            out[group] = {k: v for k, v in out[group].items() if k != inner}
     if not evicts:
         out.pop("budget", None)
     return out

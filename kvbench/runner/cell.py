@@ -33,9 +33,18 @@ from kvbench.tracking import Tracker
 log = logging.getLogger("kvbench")
 
 
-def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str, *, skip_busy: bool = False) -> dict[str, Any]:
+def run_cell(
+    cfg: DictConfig,
+    cell_dir: Path,
+    sweep: str,
+    *,
+    settings: dict[str, Any] | None = None,
+    skip_busy: bool = False,
+) -> dict[str, Any]:
     """Run every example not already in ``<cell_dir>/rows.jsonl``; returns the cell's summary.
 
+    ``settings``: what the config changes of its named defaults (``kvbench.runner.paths.job_settings``), recorded
+    in every row; none when not given.
     ``skip_busy``: when another process is running this very cell (the budgets of a full-cache cell share one
     directory), leave it to that process instead of failing.
     """
@@ -51,6 +60,7 @@ def run_cell(cfg: DictConfig, cell_dir: Path, sweep: str, *, skip_busy: bool = F
         batch_size=spec.batch_size,
         run_dir=os.path.relpath(cell_dir, cfg.results_dir),
         sweep=sweep,
+        settings=dict(settings or {}),
     )
     container = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(container, dict)  # a composed config is a mapping

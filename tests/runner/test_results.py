@@ -176,6 +176,8 @@ def test_the_full_cache_ignores_the_budget(tmp_path):
         cell.claim({**full, "budget": 0.25}, evicts=False)
     assert "budget" not in semantic_config(full, evicts=False)
     assert semantic_config(full)["budget"] == 0.5 and "results_dir" not in semantic_config(full)
+    cached = semantic_config({**full, "model": {"name": "m", "cache_dir": "/c", "dtype": "auto"}})
+    assert cached["model"] == {"name": "m", "dtype": "auto"}  # where weights are cached is not what a row means
 
 
 def test_config_without_rows_can_be_replaced(tmp_path):

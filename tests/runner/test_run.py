@@ -183,8 +183,9 @@ def test_a_batched_cell_scores_every_example_as_batch_one(tmp_path):
         assert r["batch_size"] == 3 and a["batch_size"] == 1
         assert r["batch_decode_tokens_per_s"] >= r["decode_tokens_per_s"] * 0.999
     assert max(r["decode_batch_mean"] for r in batched) > 1.5
-    assert cell_path("m", "t", None, "h2o", "both", 0.5, 3).endswith("budget=0.5/batch=3")
-    assert cell_path("m", "t", None, "h2o", "both", 0.5, 1).endswith("budget=0.5")
+    named = {"model": {"name": "m"}, "task": {"name": "t"}, "policy": {"name": "h2o"}, "stage": "both", "budget": 0.5}
+    assert cell_path({**named, "batch_size": 3}, {}).endswith("budget=0.5/batch=3")
+    assert cell_path({**named, "batch_size": 1}, {}).endswith("budget=0.5")
 
 
 def test_batch_size_must_be_a_positive_integer(tmp_path):

@@ -15,21 +15,25 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import CONFIG_DIR, REPO
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-import kvbench.run as entry
 from kvbench.config import validate
 from kvbench.results.writer import read_rows
 from kvbench.runner import example, model_cache
 from kvbench.runner.cell import run_cell
 
+pytest_plugins = ["sweeping"]  # the sweep_in_process fixture
+
 # configs/hydra/launcher/*.yaml share their names with the plugins' schemas (see kvbench/run.py).
 pytestmark = pytest.mark.filterwarnings(r"ignore:(?s).*is validated against ConfigStore schema")
 
 TINY = ["model=tiny-llama", "model.device=cpu", "task.n=2", "task.context_tokens=96", "task.max_new_tokens=3"]
+# Their cells' directories: what TINY changes of the model's and the task's defaults follows each name.
+CELLS = "tiny-llama/device=cpu/retrieval/n=2,context_tokens=96,max_new_tokens=3"
 
 
 def kvbench_run(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -79,7 +83,7 @@ def test_sweeps_through_joblib_and_submitit_run_every_cell_and_survive_bad_ones(
         found = cells(sweep)
         good = [c for c in found if not c.endswith("budget=1.5")]
         assert sorted(good) == [
-            f"tiny-llama/retrieval/{p}/prefill/budget={b}" for p in ("streamingllm", "window") for b in ("0.25", "0.5")
+            f"{CELLS}/{p}/prefill/budget={b}" for p in ("streamingllm", "window") for b in ("0.25", "0.5")
         ], stderr[-3000:]
         for name in good:
             rows = strict_rows(found[name] / "rows.jsonl")
@@ -87,7 +91,7 @@ def test_sweeps_through_joblib_and_submitit_run_every_cell_and_survive_bad_ones(
             assert all(r["status"] == "ok" for r in rows)
             assert (found[name] / "summary.json").exists() and not (found[name] / "error.txt").exists()
         for policy in ("window", "streamingllm"):
-            bad = sweep / f"tiny-llama/retrieval/{policy}/prefill/budget=1.5"
+            bad = sweep / f"{CELLS}/{policy}/prefill/budget=1.5"
             assert "kvbench: budget=1.5 is out of range" in (bad / "error.txt").read_text()
             assert not (bad / "rows.jsonl").exists()
         assert procs[launcher].returncode == 1, stderr[-3000:]
@@ -99,28 +103,6 @@ def test_sweeps_through_joblib_and_submitit_run_every_cell_and_survive_bad_ones(
 
 
 # ---------------------------------------------------------------- crash and resume
-
-
-@pytest.fixture
-def sweep_in_process(tmp_path, monkeypatch, capsys):
-    """Run ``kvbench-run -m ARGS`` in this process (basic launcher); returns (exit status, stdout, stderr)."""
-
-    def run(*args: str, sweep_name: str = "p") -> tuple[int, str, str]:
-        GlobalHydra.instance().clear()
-        quiet = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
-        argv = ["kvbench-run", "-m", *args, f"results_dir={tmp_path}", f"sweep_name={sweep_name}", *quiet]
-        monkeypatch.setattr(sys, "argv", argv)
-        code = 0
-        try:
-            entry.main()
-        except SystemExit as done:
-            code = done.code
-        finally:
-            GlobalHydra.instance().clear()
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
 
 
 def test_sigkill_mid_cell_then_rerun_matches_an_uninterrupted_sweep(tmp_path, sweep_in_process):
@@ -209,18 +191,18 @@ def test_one_process_loads_the_model_once_and_failing_examples_become_rows(tmp_p
     assert len(loads) == 1, "the model must load once per process"
     sweep = tmp_path / "p"
     assert sorted(cells(sweep)) == [
-        f"tiny-llama/retrieval/{p}/prefill/budget={b}"
+        f"{CELLS}/{p}/prefill/budget={b}"
         for p, b in [("full", "full"), ("random", "0.25"), ("random", "0.5"), ("window", "0.25"), ("window", "0.5")]
     ]
     # The full cache ignores the budget: its two sweep points share one cell, run once.
     assert [c for c in calls if c[0] == "full"] == [("full", 0.25, "passkey-0"), ("full", 0.25, "passkey-1")]
-    oom = read_rows(sweep / "tiny-llama/retrieval/window/prefill/budget=0.25/rows.jsonl")
+    oom = read_rows(sweep / f"{CELLS}/window/prefill/budget=0.25/rows.jsonl")
     assert [r["status"] for r in oom] == ["ok", "error"]
     assert oom[1]["error"].startswith("OutOfMemoryError: CUDA out of memory")
     for budget in ("0.25", "0.5"):
-        rows = read_rows(sweep / f"tiny-llama/retrieval/random/prefill/budget={budget}/rows.jsonl")
+        rows = read_rows(sweep / f"{CELLS}/random/prefill/budget={budget}/rows.jsonl")
         assert [r["status"] for r in rows] == ["error", "ok"] and "synthetic failure" in rows[0]["error"]
-        summary = json.loads((sweep / f"tiny-llama/retrieval/random/prefill/budget={budget}/summary.json").read_text())
+        summary = json.loads((sweep / f"{CELLS}/random/prefill/budget={budget}/summary.json").read_text())
         assert summary["n_ok"] == 1 and summary["n_error"] == 1
     assert "random" in out and "window" in out  # the table
 
@@ -229,16 +211,27 @@ def test_one_process_loads_the_model_once_and_failing_examples_become_rows(tmp_p
     code, _, _ = sweep_in_process(*TINY, "policy=full,window,random", "budget=0.25,0.5")
     assert code == 0 and calls == []
 
-    # A rerun that would mix different settings into the same cells is refused, cell by cell.
+    # A changed setting is a cell of its own: it runs beside the others and leaves their rows alone.
     before = {name: (path / "rows.jsonl").read_text() for name, path in cells(sweep).items()}
-    code, _, err = sweep_in_process(*TINY, "task.n=3", "policy=window", "budget=0.5")
+    code, _, _ = sweep_in_process(*TINY, "task.n=3", "policy=window", "budget=0.5")
+    more = "tiny-llama/device=cpu/retrieval/n=3,context_tokens=96,max_new_tokens=3/window/prefill/budget=0.5"
+    assert code == 0 and [c[2] for c in calls] == ["passkey-0", "passkey-1", "passkey-2"]
+    assert json.loads((sweep / more / "summary.json").read_text())["n_ok"] == 3
+    assert before == {name: (path / "rows.jsonl").read_text() for name, path in cells(sweep).items() if name != more}
+
+    # The same cell made with other settings (as if the task's default seed had changed since) is refused, cell
+    # by cell, and its rows stay as they were.
+    calls.clear()
+    config = sweep / f"{CELLS}/window/prefill/budget=0.5/config.yaml"
+    recorded = yaml.safe_load(config.read_text())
+    recorded["task"]["seed"] = 1
+    config.write_text(yaml.safe_dump(recorded, sort_keys=False))
+    code, _, err = sweep_in_process(*TINY, "policy=window", "budget=0.5")
     assert code == 1 and calls == []
-    message = (sweep / "tiny-llama/retrieval/window/prefill/budget=0.5/error.txt").read_text()
-    assert "holds results of a different config (task.n: 2 -> 3)" in message
+    message = (sweep / f"{CELLS}/window/prefill/budget=0.5/error.txt").read_text()
+    assert "holds results of a different config (task.seed: 1 -> 0)" in message
     assert "1 cell(s) could not run" in err
-    assert before == {
-        name: (path / "rows.jsonl").read_text() for name, path in cells(sweep).items() if (path / "rows.jsonl").exists()
-    }
+    assert before == {name: (path / "rows.jsonl").read_text() for name, path in cells(sweep).items() if name != more}
 
 
 def test_a_cell_another_process_is_writing_is_left_to_it(tmp_path, monkeypatch):
@@ -308,7 +301,7 @@ def test_wandb_offline_writes_config_table_and_summary(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert not [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("wandb:")]
     for policy in ("window", "random"):
-        cell = tmp_path / f"wb/tiny-llama/retrieval/{policy}/prefill/budget=0.5"
+        cell = tmp_path / f"wb/{CELLS}/{policy}/prefill/budget=0.5"
         (run_dir,) = (cell / "wandb").glob("offline-run-*")
         (log_file,) = run_dir.glob("run-*.wandb")
         records = list(wandb_records(log_file))
