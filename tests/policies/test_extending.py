@@ -22,11 +22,10 @@ import pandas as pd
 import pytest
 import torch
 from conftest import REPO
-from hydra.core.global_hydra import GlobalHydra
+from guide_runs import run_guide_line
 from omegaconf import OmegaConf
 from test_score_view import numpy_keydiff, padded_view
 
-import kvbench.run as runner
 from kvbench.engine import blocked
 from kvbench.engine.attention import decode_attention
 from kvbench.engine.generate import DecodeSettings, generate
@@ -113,24 +112,7 @@ def test_sweep_and_report(
     configs.mkdir(parents=True)
     (configs / "acc_per_norm.yaml").write_text(example["yaml"])
     run_line, report_line = example["shell"].strip().splitlines()
-    run_args = shlex.split(run_line)
-    assert run_args[0] == "kvbench-run"
-    argv = [
-        *run_args,
-        *TINY,
-        f"results_dir={tmp_path / 'results'}",
-        f"hydra.searchpath=[file://{tmp_path / 'configs'}]",
-        "hydra/job_logging=none",
-        "hydra/hydra_logging=none",
-    ]
-    monkeypatch.setattr(sys, "argv", argv)
-    GlobalHydra.instance().clear()
-    try:
-        runner.main()
-    except SystemExit as done:
-        assert done.code in (0, None)
-    finally:
-        GlobalHydra.instance().clear()
+    run_guide_line(run_line, TINY, tmp_path, tmp_path / "configs", monkeypatch)
     assert "prefill" in calls, "the cells never called the guide's score"
 
     report_args = shlex.split(report_line)

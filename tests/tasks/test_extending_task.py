@@ -19,9 +19,8 @@ import pandas as pd
 import pytest
 import yaml
 from conftest import REPO
-from hydra.core.global_hydra import GlobalHydra
+from guide_runs import run_guide_line
 
-import kvbench.run as runner
 from kvbench.results.writer import read_rows
 from kvbench.tasks.base import TaskError
 from kvbench.tasks.registry import TASKS, build_task
@@ -103,24 +102,7 @@ def test_sweep_and_report(guide, task_class, tmp_path: Path, monkeypatch: pytest
     configs.mkdir(parents=True)
     (configs / "variable_tracking.yaml").write_text(guide["yaml"])
     run_line, report_line = guide["shell"].strip().splitlines()
-    run_args = shlex.split(run_line)
-    assert run_args[0] == "kvbench-run"
-    argv = [
-        *run_args,
-        *TINY,
-        f"results_dir={tmp_path / 'results'}",
-        f"hydra.searchpath=[file://{tmp_path / 'configs'}]",
-        "hydra/job_logging=none",
-        "hydra/hydra_logging=none",
-    ]
-    monkeypatch.setattr(sys, "argv", argv)
-    GlobalHydra.instance().clear()
-    try:
-        runner.main()
-    except SystemExit as done:
-        assert done.code in (0, None)
-    finally:
-        GlobalHydra.instance().clear()
+    run_guide_line(run_line, TINY, tmp_path, tmp_path / "configs", monkeypatch)
     sweep = tmp_path / "results" / "tracking"
     rows = [r for path in sorted(sweep.rglob("rows.jsonl")) for r in read_rows(path)]
     assert sorted({r["policy"] for r in rows}) == ["h2o", "window"] and len(rows) == 4
