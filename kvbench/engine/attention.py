@@ -20,6 +20,7 @@ statistics pays nothing, and once no later step will evict none are computed.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, cast
 
@@ -133,7 +134,7 @@ def kvbench_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    cache: KVCache | None = kwargs.pop("kvbench_cache", None)
+    cache = attended_cache()
     if cache is None:  # a plain call (no kvbench cache): behave exactly like SDPA
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -236,6 +237,26 @@ def _sdpa(
 
 
 AttentionInterface.register(ATTN_NAME, kvbench_attention)
+
+
+# The cache the model's forward attends over: set for the forward's duration (``attending``), read by the attention
+# function, which transformers calls with the layer's tensors but no handle on the cache.
+_ATTENDING: contextvars.ContextVar[KVCache | None] = contextvars.ContextVar("kvbench_attending", default=None)
+
+
+def attended_cache() -> KVCache | None:
+    """The cache of the forward under way (None outside ``attending``)."""
+    return _ATTENDING.get()
+
+
+@contextlib.contextmanager
+def attending(cache: KVCache) -> Iterator[None]:
+    """Route every kvbench attention call of the enclosed forward to ``cache``'s layers."""
+    token = _ATTENDING.set(cache)
+    try:
+        yield
+    finally:
+        _ATTENDING.reset(token)
 
 
 @contextlib.contextmanager

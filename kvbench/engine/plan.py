@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.policies.base import Policy
-from kvbench.policies.scopes.everything import Everything
-from kvbench.policies.scores.recency import Recency
+from kvbench.policies.full import never_evicting
 
 
 @dataclass
@@ -86,14 +85,7 @@ def sliding_problem(policy: Policy, windows: list[int | None]) -> str | None:
 def window_only(policy: Policy) -> Policy:
     """What a sliding layer runs when the policy leaves it alone: it holds its window, stored as the policy
     stores entries (quantised, re-indexed)."""
-    return Policy(
-        name=policy.name,
-        score=Recency(),
-        scope=Everything(),
-        evicts=False,
-        quantize=policy.quantize,
-        positions=policy.positions,
-    )
+    return never_evicting(policy.name, policy.quantize, policy.positions)
 
 
 def plan_layers(

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-PHASES = ("prefill", "decode")
+from kvbench.stages import Phase
 
 
 class Stats(dict):
@@ -70,8 +70,8 @@ class TokenState:
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
-        if phase not in PHASES:
-            raise ValueError(f"phase {phase!r} must be one of {PHASES}")
+        if phase not in tuple(Phase):
+            raise ValueError(f"phase {phase!r} must be one of {[p.value for p in Phase]}")
         self._keys, self._values, self._load_kv = keys, values, load_kv
         self.positions = positions
         self.stats = stats or {}

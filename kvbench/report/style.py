@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.metrics.registry import metric_info
+from kvbench.stages import Stage
 
 BASELINE = "full"
 EMPHASISED = "roco"
@@ -37,7 +38,7 @@ PAPER_RC: Any = {  # matplotlib rc names (its stubs type the keys as a Literal u
     "ps.fonttype": 42,
 }
 
-STAGE_ORDER = ("prefill", "decode", "both")
+STAGE_ORDER = tuple(s.value for s in Stage)
 
 
 @dataclass(frozen=True)

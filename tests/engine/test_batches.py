@@ -16,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CONFIG_DIR, tiny_policy_cfg
+from engine_run import generate, generate_batch
 from family_models import FAMILIES, SLIDING, build
 from omegaconf import OmegaConf
 
-from kvbench.engine.generate import DecodeSettings, Generation, Request, generate, generate_batch
+from kvbench.engine.engine import DecodeSettings, Generation, Request
 from kvbench.policies.registry import build_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,9 +67,9 @@ def assert_within_budget(g: Generation, heads: int, per_head: bool, stage: str, 
     for step in steps:
         counts = [[len(set(h.tolist())) for h in held] for held in step]
         if per_head:
-            assert all(sum(c) <= heads * g.budget_tokens for c in counts), where
+            assert all(sum(c) <= heads * g.measures.budget_tokens for c in counts), where
         else:
-            assert sum(max(c) for c in counts) <= len(step) * g.budget_tokens, where
+            assert sum(max(c) for c in counts) <= len(step) * g.measures.budget_tokens, where
 
 
 def check_batch(
@@ -115,7 +116,7 @@ def test_every_named_policy_in_every_stage_batched_equals_alone(tiny, name):
     for stage in [s for s in ("prefill", "decode", "both") if s not in policy.unsupported_stages]:
         out = check_batch(tiny.model, reqs, policy, 0.4, stage, batch_size=3, stride=8, heads=2)
         if policy.evicts:  # the budget bit: something was evicted
-            assert any(g.budget_achieved < 0.99 for g in out), (name, stage)
+            assert any(g.measures.budget_achieved < 0.99 for g in out), (name, stage)
         sizes = [s for g in out for s in g.decode_batch_sizes]
         assert max(sizes) == 3 and min(sizes) < 3  # full while the queue lasts, then shrinking
 
@@ -138,7 +139,7 @@ def test_sequences_stopping_at_eos_leave_and_are_replaced(tiny, monkeypatch):
     first = generate(tiny.model, None, reqs[0].input_ids, named("h2o"), 0.4, "both", reqs[0].settings)
     monkeypatch.setattr(tiny.model.generation_config, "eos_token_id", first.tokens[3])
     out = check_batch(tiny.model, reqs, named("h2o"), 0.4, "both", batch_size=2, stride=8)
-    assert out[0].stop_reason == "eos" and len(out[0].tokens) == 4
+    assert out[0].measures.stop_reason == "eos" and len(out[0].tokens) == 4
 
 
 def test_sampling_is_each_sequences_own(tiny):

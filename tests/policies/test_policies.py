@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import CONFIG_DIR, tiny_policy_cfg
+from engine_run import generate
 from omegaconf import OmegaConf
 
 from kvbench.engine import attention as attention_module
 from kvbench.engine.cache.cache import KVCache
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.engine import DecodeSettings
 from kvbench.engine.plan import LayerPlan
+from kvbench.engine.step import Phase, Step
 from kvbench.policies.derived import attention_variance, mean_attention
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.robust import Robust
@@ -121,7 +123,7 @@ def test_named_policy_equals_masked_replay_and_keeps_its_promises(tiny, random_i
     if policy.evicts:
         torch.testing.assert_close(g.logits, r.logits, rtol=1e-4, atol=1e-4)
     limit = PROMPT if stage == "prefill" else PROMPT + NEW
-    budgets = policy.layer_budgets(g.budget_tokens, 4, limit) if policy.evicts else [None] * 4
+    budgets = policy.layer_budgets(g.measures.budget_tokens, 4, limit) if policy.evicts else [None] * 4
     prefill_steps = PROMPT // STRIDE
     for step, layers in enumerate(g.trace):
         fed = STRIDE * (step + 1) if step < prefill_steps else PROMPT + step - prefill_steps + 1
@@ -339,14 +341,14 @@ def test_adakv_stores_only_kept_entries(tiny, random_ids, monkeypatch):
     ada = generate(tiny.model, None, ids, named("adakv"), 0.25, "prefill", DecodeSettings(max_new_tokens=1))
     lengths = [layer.state().lengths().tolist() for layer in spy.cache.layers]
     assert any(len(set(h)) > 1 for h in lengths), "per-head budgets should differ somewhere"
-    assert all(sum(h) == 2 * ada.budget_tokens for h in lengths)  # layer total = heads × budget
+    assert all(sum(h) == 2 * ada.measures.budget_tokens for h in lengths)  # layer total = heads × budget
     per_entry = 2 * 16 * 4  # K + V, head_dim 16, float32
-    assert ada.kv_resident_bytes == sum(sum(h) for h in lengths) * per_entry
+    assert ada.measures.kv_resident_bytes == sum(sum(h) for h in lengths) * per_entry
     uniform = generate(tiny.model, None, ids, named("snapkv"), 0.25, "prefill", DecodeSettings(max_new_tokens=1))
     full = generate(tiny.model, None, ids, named("full"), 1.0, "prefill", DecodeSettings(max_new_tokens=1))
-    assert ada.kv_resident_bytes == uniform.kv_resident_bytes < full.kv_resident_bytes
+    assert ada.measures.kv_resident_bytes == uniform.measures.kv_resident_bytes < full.measures.kv_resident_bytes
     # Rows are allocated for the most one head may come to hold (its layer's total): more than uniform's.
-    assert uniform.kv_capacity_bytes < ada.kv_capacity_bytes <= full.kv_capacity_bytes
+    assert uniform.measures.kv_capacity_bytes < ada.measures.kv_capacity_bytes <= full.measures.kv_capacity_bytes
 
 
 @pytest.mark.parametrize("stage", ["prefill", "both"])
@@ -370,15 +372,15 @@ def test_adakv_decode_steps_never_see_freed_slots(tiny, random_ids, monkeypatch)
     """Heads drop unevenly, so decode steps attend rows with free slots in them: no head may see them (their
     K/V are evicted entries). Masked replay of the kept sets over a full cache must give the same logits."""
     holes = []
-    write = KVCache.write
+    update = KVCache.update
 
-    def record(cache, l, key_states, value_states):
-        out = write(cache, l, key_states, value_states)
+    def record(cache, key_states, value_states, l, *args, **kwargs):
+        out = update(cache, key_states, value_states, l, *args, **kwargs)
         if key_states.shape[2] == 1:
             holes.append(cache.layers[l].visible is not None)
         return out
 
-    monkeypatch.setattr(KVCache, "write", record)
+    monkeypatch.setattr(KVCache, "update", record)
     ids = random_ids(PROMPT, seed=22)
     g = generate(
         tiny.model,
@@ -420,17 +422,17 @@ def test_statistics_are_collected_only_while_a_later_step_evicts(tiny, random_id
         def counted(*args, _original=original, **kwargs):
             out = _original(*args, **kwargs)
             stats = out[1] if isinstance(out, tuple) else out
-            calls[current["cache"].phase] += bool(stats)
+            calls[current["step"].phase] += bool(stats)
             return out
 
         monkeypatch.setattr(attention_module, fn, counted)
-    begin = KVCache.begin_step
+    begin = KVCache.begin
 
-    def spy_begin(cache, *args, **kwargs):
-        current["cache"] = cache
-        return begin(cache, *args, **kwargs)
+    def spy_begin(cache, step):
+        current["step"] = step
+        return begin(cache, step)
 
-    monkeypatch.setattr(KVCache, "begin_step", spy_begin)
+    monkeypatch.setattr(KVCache, "begin", spy_begin)
     for name in ("h2o", "adakv"):
         calls.update(prefill=0, decode=0)
         run(tiny, random_ids(PROMPT, seed=22), named(name), 0.3, stage)
@@ -453,7 +455,7 @@ def test_adaptive_allocation_in_decode_holds_the_layer_total(tiny, random_ids):
     for layers in g.trace[40 // STRIDE :]:  # decode steps
         for held in layers:
             heads = [set(h.tolist()) for h in held]
-            assert sum(len(h) for h in heads) <= 2 * g.budget_tokens and all({0, 1} <= h for h in heads)
+            assert sum(len(h) for h in heads) <= 2 * g.measures.budget_tokens and all({0, 1} <= h for h in heads)
 
 
 # ------------------------------------------------------------------ quantised KV
@@ -470,8 +472,10 @@ def test_quantised_cache_bytes_and_values(tiny, random_ids, monkeypatch, kind, n
     )
     fcache = spy.cache
     held = sum(sum(layer.state().lengths().tolist()) for layer in qcache.layers)  # entries (token × KV head)
-    assert q.kv_resident_bytes == held * 2 * (16 * 1 + 4)  # K and V: 16 one-byte codes + a float32 scale
-    assert q.kv_resident_bytes <= full.kv_resident_bytes * (16 + 4) / 64  # float32 entries take 64 bytes
+    assert q.measures.kv_resident_bytes == held * 2 * (16 * 1 + 4)  # K and V: 16 one-byte codes + a float32 scale
+    assert (
+        q.measures.kv_resident_bytes <= full.measures.kv_resident_bytes * (16 + 4) / 64
+    )  # float32 entries take 64 bytes
     # Layer 0's keys depend only on token and position: the stored codes dequantise to the full cache's
     # keys at the kept positions, within the quantiser's bound.
     state, ref = qcache.layers[0].state(), fcache.layers[0].state()
@@ -515,10 +519,11 @@ def test_merge_in_the_cache_is_the_attention_weighted_average():
     keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.9, 0.2], [0.1, 1.0]])
     values = torch.tensor([[1.0, 1.0], [2.0, 0.0], [3.0, 5.0], [0.0, 4.0]])
     acc = torch.tensor([0.5, 0.4, 0.1, 0.2])
-    cache.begin_step(0, 1, [[0, 1, 2, 3]], True)
-    cache.write(0, keys.view(1, 1, 4, 2), values.view(1, 1, 4, 2))
+    step = Step(range(1), [[0, 1, 2, 3]], Phase.prefill, evicts=True, collects=True)
+    cache.begin(step)
+    cache.update(keys.view(1, 1, 4, 2), values.view(1, 1, 4, 2), 0)
     cache.after_attention(0, 4, {"acc": acc.view(1, 4)})
-    cache.end_step()
+    cache.finish(step)
     # Kept: tokens 0 and 1 (highest acc). Token 2 is closest to key 0, token 3 to key 1.
     k0 = (0.5 * keys[0] + 0.1 * keys[2]) / 0.6
     k1 = (0.4 * keys[1] + 0.2 * keys[3]) / 0.6
@@ -532,10 +537,11 @@ def test_merge_in_the_cache_is_the_attention_weighted_average():
     # Second step: a new token (acc 1.0, key along token 0) evicts token 1; token 1's weight is its acc
     # (0.4 + 0.05 this step) plus the 0.2 it absorbed. It takes the lowest free slot (2): its stats come there.
     new_k, new_v = torch.tensor([[0.0, 2.0]]), torch.tensor([[7.0, 7.0]])
-    cache.begin_step(0, 1, [[4]], True)
-    cache.write(0, new_k.view(1, 1, 1, 2), new_v.view(1, 1, 1, 2))
+    step = Step(range(1), [[4]], Phase.prefill, evicts=True, collects=True)
+    cache.begin(step)
+    cache.update(new_k.view(1, 1, 1, 2), new_v.view(1, 1, 1, 2), 0)
     cache.after_attention(0, 1, {"acc": torch.tensor([[0.6, 0.05, 1.0]])})
-    cache.end_step()
+    cache.finish(step)
     # acc now: token0 1.1, token1 0.45, token4 1.0 -> keep 0 and 4; token 1 (key ~ [0.03, 1]) joins token 4.
     w1 = 0.45 + 0.2
     expected_k4 = (1.0 * new_k[0] + w1 * k1) / (1.0 + w1)
@@ -556,7 +562,7 @@ def test_merging_runs_with_any_policy_within_budget(tiny, random_ids, name, stag
     assert (g.logits - plain.logits).abs().max() > 1e-4  # merged values change the output
     last_evicting = 40 // STRIDE - 1 if stage == "prefill" else -1
     for held in g.trace[last_evicting]:
-        assert sum(len(set(h.tolist())) for h in held) <= 2 * g.budget_tokens
+        assert sum(len(set(h.tolist())) for h in held) <= 2 * g.measures.budget_tokens
 
 
 # ------------------------------------------------------------------ positions: reindex
@@ -571,19 +577,19 @@ def test_reindex_feeds_contiguous_positions_and_rerotates_kept_keys(tiny, random
     def capture(module, query, key, value, attention_mask, **kwargs):
         if module.layer_idx == 0:
             seen["key"] = key.clone()
-            seen["positions"] = kwargs["kvbench_cache"].layers[0].key_positions[0].clone()
+            seen["positions"] = attention_module.attended_cache().layers[0].key_positions[0].clone()
         return attention_module.kvbench_attention(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(attention_module.ATTN_NAME, capture)
     fed = []
-    begin = KVCache.begin_step
+    begin = KVCache.begin
 
-    def spy_begin(cache, lo, hi, positions, evicting, *args, **kwargs):
-        out = begin(cache, lo, hi, positions, evicting, *args, **kwargs)
-        fed.append((positions[0], out[0].tolist()))
+    def spy_begin(cache, step):
+        out = begin(cache, step)
+        fed.append((step.positions[0], out[0].tolist()))
         return out
 
-    monkeypatch.setattr(KVCache, "begin_step", spy_begin)
+    monkeypatch.setattr(KVCache, "begin", spy_begin)
     spy = Spy(monkeypatch)
     try:
         ids = random_ids(30, seed=18)

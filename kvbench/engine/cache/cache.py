@@ -20,6 +20,7 @@ from kvbench.engine.cache.entries import STAT_NAMES, Entries
 from kvbench.engine.cache.layer import CacheLayer
 from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
+from kvbench.engine.step import Step
 from kvbench.policies.base import Policy
 from kvbench.policies.positions import Rotary, layer_rotaries
 from kvbench.policies.state import TokenState
@@ -43,13 +44,13 @@ class KVCache(Cache):
         self,
         plan_sets: list[list[LayerPlan]],
         policy: Policy,
-        slots: int = 1,
+        lanes: int = 1,
         role: str = "both",
         seed: int = 0,
         device: torch.device | str = "cpu",
         model: Any = None,
     ):
-        self.policy, self.slots, self.role, self.seed = policy, slots, role, seed
+        self.policy, self.slots, self.role, self.seed = policy, lanes, role, seed
         self.device = torch.device(device)
         plans = plan_sets[0]
         self.plan_sets = plan_sets
@@ -62,14 +63,14 @@ class KVCache(Cache):
         super().__init__(
             layers=[CacheLayer(self, i, plan, rotary) for i, (plan, rotary) in enumerate(zip(plans, rotaries))]
         )
-        self.budgets: list[list[int | None]] = [[None] * slots for _ in plans]
+        self.budgets: list[list[int | None]] = [[None] * lanes for _ in plans]
         self.entries: Entries | None = None
         self.lo = self.hi = 0
         self.evicting, self.collecting, self.phase = False, True, "prefill"
         self._pending: torch.Tensor | None = None
         self._cache: dict[Any, torch.Tensor] = {}
         self.hidden: list[torch.Tensor] | None = None  # per layer, what masked replay lets each row see
-        self.seen = [0] * slots  # per slot, tokens fed so far
+        self.seen = [0] * lanes  # per lane, tokens fed so far
 
     @property
     def kv_layers(self) -> list[CacheLayer]:
@@ -111,20 +112,13 @@ class KVCache(Cache):
             self.budgets[l][slot] = plan.budget
 
     # -- a step --------------------------------------------------------------------------------------------
-    def begin_step(
-        self,
-        lo: int,
-        hi: int,
-        positions: list[list[int]],
-        evicting: bool,
-        phase: str = "prefill",
-        collecting: bool = True,
-    ) -> torch.Tensor:
-        """Slots ``lo:hi`` are fed tokens at absolute ``positions`` (one list per slot, of one length). Returns
-        the positions to feed the model [slots, q]: the same, or under ``positions: reindex`` each sequence's
-        next contiguous positions after what it holds."""
+    def begin(self, step: Step) -> torch.Tensor:
+        """Start ``step``. Returns the positions to feed the model [lanes, q]: the step's own, or under
+        ``positions: reindex`` each sequence's next contiguous positions after what it holds."""
+        lo, hi, positions = step.lanes.start, step.lanes.stop, step.positions
         self.lo, self.hi = lo, hi
-        self.evicting, self.collecting, self.phase = evicting, collecting or evicting, phase
+        self.evicting, self.collecting, self.phase = step.evicts, step.collects, step.phase
+        self.hidden = step.replay_masks
         self.host_positions = positions
         for s, p in zip(range(lo, hi), positions):
             self.seen[s] = p[-1] + 1
@@ -239,16 +233,17 @@ class KVCache(Cache):
         h = self.allocated.heads
         return [s * h + i for s, p in enumerate(self.host_positions) if p[0] % w == w - 1 for i in range(h)]
 
-    def end_step(self) -> None:
+    def finish(self, step: Step) -> None:
         """Evict every row over its budget and trim sliding layers to their window (``schedule``)."""
         schedule.end_step(self)
+        self.hidden = None
 
     def layer_state(self, l: int, slot: int = 0) -> TokenState:
         """What layer ``l`` of the sequence in ``slot`` holds, as its policy ranks it."""
         return schedule.layer_state(self, l, slot)
 
     # -- slots -----------------------------------------------------------------------------------------------
-    def copy_slot(self, source: KVCache, src: int, dst: int) -> None:
+    def copy_lane(self, source: KVCache, src: int, dst: int) -> None:
         """Slot ``src`` of ``source`` (this cache or a prompt's) becomes slot ``dst`` here."""
         if self.entries is None:
             self.allocate(*source.shapes)
@@ -278,8 +273,9 @@ class KVCache(Cache):
             resident_per_layer=resident,
         )
 
-    def resident_by_slot(self, lo: int, hi: int) -> list[int]:
-        """Resident bytes of each of slots ``lo:hi``."""
+    def resident_by_lane(self, lanes: range) -> list[int]:
+        """Resident bytes of each of the lanes."""
+        lo, hi = lanes.start, lanes.stop
         e = self.allocated
         counts = e.lengths[:, e.row_range(lo, hi)].view(e.layers, hi - lo, e.heads).sum(dim=2)
         row_bytes = torch.tensor([layer.store.row_bytes() for layer in self.kv_layers], device=self.device)
