@@ -13,8 +13,10 @@ built per layer (causal inside the chunk, every kept past entry visible except w
 hides) and the few rows a policy reads (the last query, an observation window) from
 ``blocked.attention_statistics``; a chunk whose statistics sum over every query, or a softcapped one (SDPA
 cannot softcap), takes its output and statistics from one blocked pass (``engine/blocked.py``). Once the
-output exists the cache folds the statistics in; it evicts after the step's last layer. A policy that needs no
-statistics pays nothing, and once no later step will evict none are computed.
+output exists the layer records the statistics (``CacheLayer.record``); the cache evicts when the step
+finishes. A policy that needs no statistics pays nothing, and once no later step will evict
+(``Step.collects``) none are computed. The attention finds the cache of the forward under way through
+``attending``, which the batch loop holds around each forward.
 """
 
 from __future__ import annotations
@@ -141,12 +143,13 @@ def kvbench_attention(
         )
     layer_idx = cast(int, module.layer_idx)  # every transformers attention module numbers its layer
     layer = cache.kv_layers[layer_idx]
+    step = layer.current.step
     kwargs["dropout"] = dropout  # the rest of kwargs is not read past this point
     size, softcap = family_arguments(layer_idx, kwargs, layer.plan.window)
     q = query.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     policy = layer.policy
-    needs = policy.needs if cache.collecting else frozenset()
+    needs = policy.needs if step.collects else frozenset()
     window = layer.step_window(size)
     collecting = bool(needs & ATTENTION_STATS)
     if q == 1:
@@ -163,7 +166,7 @@ def kvbench_attention(
                 ],
                 {},
             )
-        cache.after_attention(layer_idx, q, stats)
+        layer.record(stats)
         return output, None
     if query.shape[0] != 1:
         raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
@@ -184,7 +187,7 @@ def kvbench_attention(
             value,
         )
         output = stats.pop("output")
-        cache.after_attention(layer_idx, q, stats)
+        layer.record(stats)
         return output, None
     output = _sdpa(module, query, key, value, scaling, past, layer.visible, window)
     stats = (
@@ -192,7 +195,7 @@ def kvbench_attention(
         if collecting
         else {}
     )
-    cache.after_attention(layer_idx, q, stats)
+    layer.record(stats)
     return output, None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,10 +25,8 @@ from kvbench.engine.fused_llama import FusedLlama
 from kvbench.engine.plan import plan_layers
 from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
 from kvbench.engine.sequence import Generation, Request, Sequence, finished_generation, reference_length
+from kvbench.engine.settings import EngineSettings
 from kvbench.engine.step import Phase, Step
-
-if TYPE_CHECKING:
-    from kvbench.engine.engine import EngineSettings
 
 # A request finished by a unit of work: its index in the request list, and its generation or what made it fail.
 Finished = tuple[int, Generation | Exception]

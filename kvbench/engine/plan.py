@@ -21,7 +21,7 @@ class LayerPlan:
     """What one layer of one sequence may hold: its token budget in the policy's evicting steps (None = the policy
     never evicts here) and the most entries a row holds while the prompt is fed (``prefill``) and while
     decoding (``decode``), of ``total`` tokens in all. A sliding-window layer (``window``) also drops, after every
-    step, what its next query cannot see: each head keeps at most its newest ``window - 1`` entries (``hold``),
+    step, what its next query cannot see: each head keeps at most its newest ``window - 1`` entries (``window_keep``),
     which is exact. ``policy`` replaces the run's policy in this layer (a sliding layer that only holds its
     window)."""
 
@@ -33,7 +33,7 @@ class LayerPlan:
     policy: Policy | None = None
 
     @property
-    def hold(self) -> int | None:
+    def window_keep(self) -> int | None:
         return None if self.window is None else self.window - 1
 
     @property

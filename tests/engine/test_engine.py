@@ -193,7 +193,7 @@ def test_kept_keys_keep_their_rotation(tiny, random_ids):
         g = generate(
             tiny.model, None, ids, build_policy(POLICIES["streamingllm"]), 12, "both", DecodeSettings(max_new_tokens=8)
         )
-        evicting = captured["cache"].layers[0].state()
+        evicting = captured["cache"].layer_state(0)
         generate(
             tiny.model,
             None,
@@ -204,7 +204,7 @@ def test_kept_keys_keep_their_rotation(tiny, random_ids):
             DecodeSettings(max_new_tokens=8),
             forced_tokens=g.tokens,
         )
-        full = captured["cache"].layers[0].state()
+        full = captured["cache"].layer_state(0)
     finally:
         KVCache.summary = original
     positions = evicting.positions

@@ -58,15 +58,15 @@ def test_running_sum_follows_entries_through_evictions(kernel, allocation, chunk
             for h in range(HEADS):
                 for j in visible[h].nonzero().flatten().tolist():
                     refs[h][int(layer.key_positions[h, j])].append((fed + q - r + i, float(rows[h, i, j])))
-        cache.after_attention(0, q, {"qlog": rows, "qlog_nvis": torch.full((HEADS, r), float(n))})
+        layer.record({"qlog": rows, "qlog_nvis": torch.full((HEADS, r), float(n))})
         cache.finish(step)
         fed += q
-        state = layer.state()
+        state = cache.layer_state(0)
         for h, held in enumerate(state.lengths().tolist()):
             expected = reference_sums(refs[h], fed, state.positions[h, :held].tolist())
             torch.testing.assert_close(state.derived("qlog_sum", None)[h, :held], torch.tensor(expected))
         torch.testing.assert_close(state.stats["qlog"].sum(dim=1), state.derived("qlog_sum", None))
-    lengths = layer.state().lengths().tolist()
+    lengths = cache.layer_state(0).lengths().tolist()
     assert sum(lengths) == HEADS * BUDGET and fed > 2 * BUDGET  # entries were evicted all along
 
 

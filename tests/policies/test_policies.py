@@ -237,7 +237,7 @@ def test_mean_and_std_match_eager_attention(tiny, random_ids, monkeypatch):
         for j in range(n):
             column = grouped[:, j:, j]  # queries i >= j saw key j
             mean_ref[:, j], std_ref[:, j] = column.mean(axis=1), column.std(axis=1)
-        state = layer.state()
+        state = spy.cache.layer_state(layer.layer_idx)
         mean, std = mean_attention(state), attention_variance(state).clamp_min(0.0).sqrt()
         assert state.positions[0].tolist() == list(range(n))
         np.testing.assert_allclose(mean.numpy(), mean_ref, rtol=1e-4, atol=1e-6)
@@ -268,7 +268,7 @@ def test_hit_counts_match_eager_attention(tiny, random_ids, monkeypatch):
         rows = att[0].double().numpy().reshape(2, 2, n, n).mean(axis=1)[:, n - history :]  # [kv, history, n]
         seen = np.arange(n - history, n) + 1  # keys each logged query saw
         expected = ((rows >= 1.0 / seen[None, :, None]) & (rows > 0)).sum(axis=1)
-        state = layer.state()
+        state = spy.cache.layer_state(layer.layer_idx)
         assert layer.policy.score(state).tolist() == expected.tolist()
 
 
@@ -307,7 +307,7 @@ def test_write_time_features_follow_their_entries(tiny, random_ids, monkeypatch,
         stride=8,
     )
     for layer in spy.cache.layers:
-        state = layer.state()
+        state = spy.cache.layer_state(layer.layer_idx)
         valid = state.valid_mask()
         if "value_norm" in state.stats:
             p = build_policy(cfg).score.p
@@ -339,7 +339,7 @@ def test_adakv_stores_only_kept_entries(tiny, random_ids, monkeypatch):
     spy = Spy(monkeypatch)
     ids = random_ids(64, seed=14)
     ada = generate(tiny.model, None, ids, named("adakv"), 0.25, "prefill", DecodeSettings(max_new_tokens=1))
-    lengths = [layer.state().lengths().tolist() for layer in spy.cache.layers]
+    lengths = [spy.cache.layer_state(l).lengths().tolist() for l in range(len(spy.cache.layers))]
     assert any(len(set(h)) > 1 for h in lengths), "per-head budgets should differ somewhere"
     assert all(sum(h) == 2 * ada.measures.budget_tokens for h in lengths)  # layer total = heads × budget
     per_entry = 2 * 16 * 4  # K + V, head_dim 16, float32
@@ -358,7 +358,7 @@ def test_adakv_with_a_full_floor_is_snapkv(tiny, random_ids, monkeypatch, stage)
     spy = Spy(monkeypatch)
     ids = random_ids(44, seed=19)
     ada = run(tiny, ids, named("adakv", allocation={"floor": 1.0}), 0.3, stage, trace=True)
-    state = spy.cache.layers[1].state()
+    state = spy.cache.layer_state(1)
     torch.testing.assert_close(state.derived("qlog_sum", lambda s: None), state.stats["qlog"].sum(dim=1))
     snap = run(tiny, ids, named("snapkv"), 0.3, stage, trace=True)
     assert ada.tokens == snap.tokens
@@ -471,14 +471,16 @@ def test_quantised_cache_bytes_and_values(tiny, random_ids, monkeypatch, kind, n
         tiny.model, None, ids, named("full"), 1.0, stage, DecodeSettings(max_new_tokens=6), forced_tokens=q.tokens
     )
     fcache = spy.cache
-    held = sum(sum(layer.state().lengths().tolist()) for layer in qcache.layers)  # entries (token × KV head)
+    held = sum(
+        sum(qcache.layer_state(l).lengths().tolist()) for l in range(len(qcache.layers))
+    )  # entries (token × KV head)
     assert q.measures.kv_resident_bytes == held * 2 * (16 * 1 + 4)  # K and V: 16 one-byte codes + a float32 scale
     assert (
         q.measures.kv_resident_bytes <= full.measures.kv_resident_bytes * (16 + 4) / 64
     )  # float32 entries take 64 bytes
     # Layer 0's keys depend only on token and position: the stored codes dequantise to the full cache's
     # keys at the kept positions, within the quantiser's bound.
-    state, ref = qcache.layers[0].state(), fcache.layers[0].state()
+    state, ref = qcache.layer_state(0), fcache.layer_state(0)
     keys, values, pos = state.keys, state.values, state.positions
     exact_k = ref.keys.gather(1, pos.unsqueeze(-1).expand(-1, -1, 16))
     exact_v = ref.values.gather(1, pos.unsqueeze(-1).expand(-1, -1, 16))
@@ -522,14 +524,14 @@ def test_merge_in_the_cache_is_the_attention_weighted_average():
     step = Step(range(1), [[0, 1, 2, 3]], Phase.prefill, evicts=True, collects=True)
     cache.begin(step)
     cache.update(keys.view(1, 1, 4, 2), values.view(1, 1, 4, 2), 0)
-    cache.after_attention(0, 4, {"acc": acc.view(1, 4)})
+    layer.record({"acc": acc.view(1, 4)})
     cache.finish(step)
     # Kept: tokens 0 and 1 (highest acc). Token 2 is closest to key 0, token 3 to key 1.
     k0 = (0.5 * keys[0] + 0.1 * keys[2]) / 0.6
     k1 = (0.4 * keys[1] + 0.2 * keys[3]) / 0.6
     v0 = (0.5 * values[0] + 0.1 * values[2]) / 0.6
     v1 = (0.4 * values[1] + 0.2 * values[3]) / 0.6
-    state = layer.state()
+    state = cache.layer_state(0)
     assert state.positions[0].tolist() == [0, 1]
     torch.testing.assert_close(state.keys[0], torch.stack([k0, k1]))
     torch.testing.assert_close(state.values[0], torch.stack([v0, v1]))
@@ -540,13 +542,13 @@ def test_merge_in_the_cache_is_the_attention_weighted_average():
     step = Step(range(1), [[4]], Phase.prefill, evicts=True, collects=True)
     cache.begin(step)
     cache.update(new_k.view(1, 1, 1, 2), new_v.view(1, 1, 1, 2), 0)
-    cache.after_attention(0, 1, {"acc": torch.tensor([[0.6, 0.05, 1.0]])})
+    layer.record({"acc": torch.tensor([[0.6, 0.05, 1.0]])})
     cache.finish(step)
     # acc now: token0 1.1, token1 0.45, token4 1.0 -> keep 0 and 4; token 1 (key ~ [0.03, 1]) joins token 4.
     w1 = 0.45 + 0.2
     expected_k4 = (1.0 * new_k[0] + w1 * k1) / (1.0 + w1)
     expected_v4 = (1.0 * new_v[0] + w1 * v1) / (1.0 + w1)
-    state = layer.state()
+    state = cache.layer_state(0)
     assert state.positions[0].tolist() == [0, 4]
     torch.testing.assert_close(state.keys[0, 1], expected_k4)
     torch.testing.assert_close(state.values[0, 1], expected_v4)
@@ -621,7 +623,7 @@ def test_reindex_feeds_contiguous_positions_and_rerotates_kept_keys(tiny, random
     assert seen["positions"][in_order].tolist() == held
     torch.testing.assert_close(seen["key"][:, :, in_order], expected, rtol=1e-5, atol=1e-5)
     # The cache still records true positions (for scores and traces) and stores keys un-rotated.
-    state = spy.cache.layers[0].state()
+    state = spy.cache.layer_state(0)
     assert state.positions[0].tolist() == [0, 1, 2, 3, 29, 30, 31, 32, 33, 34]
     torch.testing.assert_close(state.keys, raw[0][:, [0, 1, 2, 3, 29, 30, 31, 32, 33, 34]], rtol=1e-5, atol=1e-5)
 

@@ -193,10 +193,10 @@ def test_prefix_pooling_through_chunks_and_decode_steps(per_head, pooling):
         if q > 1:
             for i in range(r):  # causal within the chunk
                 rows[:, i, span - r + i + 1 :] = 0.0
-        cache.after_attention(0, q, {"qlog": rows, "qlog_nvis": torch.full((HEADS, r), float(span))})
+        layer.record({"qlog": rows, "qlog_nvis": torch.full((HEADS, r), float(span))})
         cache.finish(step)
         fed += q
-        check_prefix_pooling(layer.state(), fed, score, pooling)
+        check_prefix_pooling(cache.layer_state(0), fed, score, pooling)
     assert fed > 2 * BUDGET
 
 

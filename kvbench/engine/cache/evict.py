@@ -27,7 +27,7 @@ class Group:
     policy: Policy
     budget: int
     window: int | None
-    units: list[tuple[int, int]] = field(default_factory=list)  # (layer, slot)
+    units: list[tuple[int, int]] = field(default_factory=list)  # (layer, lane)
 
 
 @dataclass
