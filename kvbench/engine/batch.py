@@ -166,11 +166,11 @@ class BatchLoop:
             raise ValueError("masked replay needs a trace for every sequence of the batch")
         width = max(p[-1] for p in positions) + 1
         masks: list[torch.Tensor] = []
-        for l in range(len(self.windows)):
+        for layer in range(len(self.windows)):
             rows = []
             for s, p, trace in zip(seqs, positions, traced):
                 assert trace is not None, "checked above: every sequence has a trace"
-                held = trace[s.forwards - 1][l].to(self.device)
+                held = trace[s.forwards - 1][layer].to(self.device)
                 by_position = torch.zeros(held.shape[0], width, dtype=torch.bool, device=self.device)
                 by_position.scatter_(1, held, True)
                 by_position[:, p[0] :] = True  # the step's own tokens

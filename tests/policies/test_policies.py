@@ -339,7 +339,7 @@ def test_adakv_stores_only_kept_entries(tiny, random_ids, monkeypatch):
     spy = Spy(monkeypatch)
     ids = random_ids(64, seed=14)
     ada = generate(tiny.model, None, ids, named("adakv"), 0.25, "prefill", DecodeSettings(max_new_tokens=1))
-    lengths = [spy.cache.layer_state(l).lengths().tolist() for l in range(len(spy.cache.layers))]
+    lengths = [spy.cache.layer_state(layer).lengths().tolist() for layer in range(len(spy.cache.layers))]
     assert any(len(set(h)) > 1 for h in lengths), "per-head budgets should differ somewhere"
     assert all(sum(h) == 2 * ada.measures.budget_tokens for h in lengths)  # layer total = heads × budget
     per_entry = 2 * 16 * 4  # K + V, head_dim 16, float32
@@ -374,10 +374,10 @@ def test_adakv_decode_steps_never_see_freed_slots(tiny, random_ids, monkeypatch)
     holes = []
     update = KVCache.update
 
-    def record(cache, key_states, value_states, l, *args, **kwargs):
-        out = update(cache, key_states, value_states, l, *args, **kwargs)
+    def record(cache, key_states, value_states, layer, *args, **kwargs):
+        out = update(cache, key_states, value_states, layer, *args, **kwargs)
         if key_states.shape[2] == 1:
-            holes.append(cache.layers[l].visible is not None)
+            holes.append(cache.layers[layer].visible is not None)
         return out
 
     monkeypatch.setattr(KVCache, "update", record)
@@ -472,7 +472,7 @@ def test_quantised_cache_bytes_and_values(tiny, random_ids, monkeypatch, kind, n
     )
     fcache = spy.cache
     held = sum(
-        sum(qcache.layer_state(l).lengths().tolist()) for l in range(len(qcache.layers))
+        sum(qcache.layer_state(layer).lengths().tolist()) for layer in range(len(qcache.layers))
     )  # entries (token × KV head)
     assert q.measures.kv_resident_bytes == held * 2 * (16 * 1 + 4)  # K and V: 16 one-byte codes + a float32 scale
     assert (

@@ -104,8 +104,8 @@ class KVCache(Cache):
         """Buffers for every layer, from the shapes of one layer's keys and values."""
         policies = [layer.policy for layer in self.kv_layers]
         caps = [
-            max(plans[l].rows_capacity(shapes.heads, self.role, policy) for plans in self.plan_sets)
-            for l, policy in enumerate(policies)
+            max(plans[layer].rows_capacity(shapes.heads, self.role, policy) for plans in self.plan_sets)
+            for layer, policy in enumerate(policies)
         ]
         columns = sorted(
             {n for policy in policies for n in policy.needs if n in STAT_NAMES}
@@ -196,9 +196,9 @@ class KVCache(Cache):
         for layer in self.kv_layers:
             layer.feeding = None
 
-    def layer_state(self, l: int, lane: int = 0) -> TokenState:
-        """What layer ``l`` of the sequence in ``lane`` holds, as its policy ranks it."""
-        return self.evictor.state(self.allocated, self.stores(), l, lane)
+    def layer_state(self, layer: int, lane: int = 0) -> TokenState:
+        """What decoder layer ``layer`` of the sequence in ``lane`` holds, as its policy ranks it."""
+        return self.evictor.state(self.allocated, self.stores(), layer, lane)
 
     # -- lanes -----------------------------------------------------------------------------------------------
     def copy_lane(self, source: KVCache, src: int, dst: int) -> None:
@@ -240,4 +240,4 @@ class KVCache(Cache):
     def kept_positions(self, lane: int = 0) -> list[torch.Tensor]:
         """Per layer, the absolute positions each KV head of the lane holds, [heads, kept]."""
         e = self.allocated
-        return [e.kept_positions(l, lane) for l in range(len(self.layers))]
+        return [e.kept_positions(layer, lane) for layer in range(len(self.layers))]

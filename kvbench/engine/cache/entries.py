@@ -207,9 +207,9 @@ class Entries:
                 mine[:, b, n:] = empty
         if self.log is not None:
             assert source.log is not None, "caches of one run keep the same query log"
-            for l in range(self.layers):
-                fa = slice(l * source.rows + a.start, l * source.rows + a.stop)
-                fb = slice(l * self.rows + b.start, l * self.rows + b.stop)
+            for layer in range(self.layers):
+                fa = slice(layer * source.rows + a.start, layer * source.rows + a.stop)
+                fb = slice(layer * self.rows + b.start, layer * self.rows + b.stop)
                 self.log.rows[fb, :, :n] = source.log.rows[fa, :, :n]
                 self.log.total[fb, :n] = source.log.total[fa, :n]
                 self.log.nvis[fb] = source.log.nvis[fa]

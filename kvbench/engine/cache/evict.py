@@ -42,7 +42,7 @@ class StepRows:
 
 def unit_rows(entries: Entries, units: list[tuple[int, int]]) -> list[int]:
     h = entries.heads
-    return [l * entries.rows + s * h + i for l, s in units for i in range(h)]
+    return [layer * entries.rows + s * h + i for layer, s in units for i in range(h)]
 
 
 def group_state(
@@ -113,11 +113,11 @@ def load_kv(
     layer_of = (flat // entries.rows).tolist()
     keys, values, start = [], [], 0
     while start < len(layer_of):
-        l = layer_of[start]
+        layer = layer_of[start]
         end = start
-        while end < len(layer_of) and layer_of[end] == l:
+        while end < len(layer_of) and layer_of[end] == layer:
             end += 1
-        k, v = stores[l].gather(flat[start:end] - l * entries.rows, order[start:end])
+        k, v = stores[layer].gather(flat[start:end] - layer * entries.rows, order[start:end])
         keys.append(k)
         values.append(v)
         start = end

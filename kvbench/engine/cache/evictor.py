@@ -36,12 +36,12 @@ class Evictor:
 
     def assign(self, lane: int, plans: Sequence[LayerPlan]) -> None:
         """Lane ``lane`` now holds a sequence with these plans (its budgets)."""
-        for l, plan in enumerate(plans):
-            self.budgets[l][lane] = plan.budget
+        for layer, plan in enumerate(plans):
+            self.budgets[layer][lane] = plan.budget
 
     def copy_lane(self, source: Evictor, src: int, dst: int) -> None:
-        for l in range(len(self.plans)):
-            self.budgets[l][dst] = source.budgets[l][src]
+        for layer in range(len(self.plans)):
+            self.budgets[layer][dst] = source.budgets[layer][src]
         self.seen[dst] = source.seen[src]
 
     def evict(self, entries: Entries, stores: list[KVStore], step: Step) -> None:
@@ -55,28 +55,28 @@ class Evictor:
         groups: dict[tuple, evicting.Group] = {}
         trims: dict[tuple, list[tuple[int, int]]] = {}
         ragged_trims: list[int] = []
-        for l, (plan, policy) in enumerate(zip(self.plans, self.policies)):
+        for layer, (plan, policy) in enumerate(zip(self.plans, self.policies)):
             keep, per_head = plan.window_keep, policy.allocation.per_head
             for s in step.lanes:
-                counts = lengths[l][(s - lo) * e.heads : (s - lo + 1) * e.heads]
-                budget = self.budgets[l][s]
+                counts = lengths[layer][(s - lo) * e.heads : (s - lo + 1) * e.heads]
+                budget = self.budgets[layer][s]
                 if step.evicts and policy.evicts and budget is not None:
                     size = sum(counts) if per_head else counts[0]
                     if size > (budget * e.heads if per_head else budget):
-                        key = group_key(plan, policy, l, budget, size)
-                        groups.setdefault(key, evicting.Group(policy, budget, plan.window)).units.append((l, s))
+                        key = group_key(plan, policy, layer, budget, size)
+                        groups.setdefault(key, evicting.Group(policy, budget, plan.window)).units.append((layer, s))
                         continue
                 if keep is not None and max(counts) > keep:
                     if per_head:
-                        ragged_trims.append(l)
+                        ragged_trims.append(layer)
                     else:
-                        trims.setdefault((keep, counts[0]), []).append((l, s))
+                        trims.setdefault((keep, counts[0]), []).append((layer, s))
         if not groups and not trims and not ragged_trims and not (step.tokens > 1 and step.evicts):
             return
         rows_of_step = self._step_rows(e)
 
-        def features(l: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
-            write_features(e, l, stores[l], self.policies[l], rows, slots)
+        def features(layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+            write_features(e, layer, stores[layer], self.policies[layer], rows, slots)
 
         changed: set[int] = set()
         for key, group in groups.items():
@@ -85,51 +85,51 @@ class Evictor:
             n = (
                 key[2]
                 if not per_head
-                else max(max(lengths[l][(s - lo) * e.heads : (s - lo + 1) * e.heads]) for l, s in group.units)
+                else max(max(lengths[layer][(s - lo) * e.heads : (s - lo + 1) * e.heads]) for layer, s in group.units)
             )
             evicting.evict_group(e, rows, n, group, rows_of_step, per_head, stores, features)
-            changed.update(l for l, _ in group.units)
+            changed.update(layer for layer, _ in group.units)
         if ragged_trims or any(g.policy.allocation.per_head for g in groups.values()):
             ragged = sorted(
                 set(ragged_trims)
-                | {l for g in groups.values() for l, _ in g.units if self.plans[l].window_keep is not None}
+                | {layer for g in groups.values() for layer, _ in g.units if self.plans[layer].window_keep is not None}
             )
-            for l in ragged:
-                self._trim_ragged(e, l, step.lanes)
-                changed.add(l)
+            for layer in ragged:
+                self._trim_ragged(e, layer, step.lanes)
+                changed.add(layer)
         for (keep, n), units in trims.items():
             rows = self._group_rows(e, units)
             idx = torch.arange(n, device=e.device)
             r = len(units) * e.heads
             e.keep_sorted(rows, n, idx[n - keep :].expand(r, -1), idx[: n - keep].expand(r, -1))
-            changed.update(l for l, _ in units)
+            changed.update(layer for layer, _ in units)
         if step.tokens > 1:
-            for l in sorted(changed):
-                e.pack(l, lo, hi, stores[l])
+            for layer in sorted(changed):
+                e.pack(layer, lo, hi, stores[layer])
 
-    def state(self, entries: Entries, stores: list[KVStore], l: int, lane: int = 0) -> TokenState:
-        """What layer ``l`` of the sequence in ``lane`` holds, as its policy ranks it."""
-        e, policy = entries, self.policies[l]
-        rows = torch.tensor(evicting.unit_rows(e, [(l, lane)]), device=e.device)
+    def state(self, entries: Entries, stores: list[KVStore], layer: int, lane: int = 0) -> TokenState:
+        """What decoder layer ``layer`` of the sequence in ``lane`` holds, as its policy ranks it."""
+        e, policy = entries, self.policies[layer]
+        rows = torch.tensor(evicting.unit_rows(e, [(layer, lane)]), device=e.device)
         lengths = e.lengths.view(-1).index_select(0, rows)
         n = int(lengths.max())
         ragged = policy.allocation.per_head or bool((lengths != n).any())
-        group = evicting.Group(policy, self.budgets[l][lane] or n, self.plans[l].window)
+        group = evicting.Group(policy, self.budgets[layer][lane] or n, self.plans[layer].window)
         return evicting.group_state(e, rows, n, group, self._step_rows(e), lengths if ragged else None, stores)
 
-    def _trim_ragged(self, e: Entries, l: int, lanes: range) -> None:
+    def _trim_ragged(self, e: Entries, layer: int, lanes: range) -> None:
         """A per-head row of a sliding layer keeps at most its newest ``window_keep`` entries."""
-        keep_at_most = self.plans[l].window_keep
+        keep_at_most = self.plans[layer].window_keep
         assert keep_at_most is not None, "only a sliding layer is trimmed"
         rr = e.row_range(lanes.start, lanes.stop)
-        lengths = e.lengths[l, rr]
+        lengths = e.lengths[layer, rr]
         n = int(lengths.max())
         if n <= keep_at_most:
             return
         idx = torch.arange(n, device=e.device)
         valid = idx < lengths.unsqueeze(1)
         keep = valid & (idx >= (lengths - keep_at_most).unsqueeze(1))
-        e.keep_mask(l * e.rows + torch.arange(rr.start, rr.stop, device=e.device), keep, valid)
+        e.keep_mask(layer * e.rows + torch.arange(rr.start, rr.stop, device=e.device), keep, valid)
 
     def _group_rows(self, e: Entries, units: list[tuple[int, int]]) -> torch.Tensor | None:
         """The flat rows of ``units`` (None: every row of the cache)."""
@@ -148,7 +148,7 @@ class Evictor:
         return evicting.StepRows(seen.view(-1, 1), self._row_keys, self.phase, self.seed)
 
 
-def group_key(plan: LayerPlan, policy: Policy, l: int, budget: int, size: int) -> tuple:
+def group_key(plan: LayerPlan, policy: Policy, layer: int, budget: int, size: int) -> tuple:
     """What a (layer, lane) unit's eviction depends on: units of one key are scored as one state. Merging units
     stay within their layer (merged keys and values are written back to one layer's store)."""
-    return (id(policy), plan.window, size, budget, l if policy.merge else None)
+    return (id(policy), plan.window, size, budget, layer if policy.merge else None)

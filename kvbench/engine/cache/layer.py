@@ -79,26 +79,26 @@ class CacheLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, feeding: Feeding, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's new entries; returns the keys and values the step attends to [lanes, heads, n, D]."""
-        l, e, store = self.layer_idx, self.entries, self.store
+        layer, e, store = self.layer_idx, self.entries, self.store
         b, h, q, _ = key_states.shape
         lanes = feeding.step.lanes
-        rows, slots = feeding.rows, feeding.slots[l]
+        rows, slots = feeding.rows, feeding.slots[layer]
         stored = key_states
         if self.rotary is not None:
             stored = self.rotary.unrotate(key_states, feeding.model_positions.unsqueeze(1))
         store.write(rows, slots, stored.reshape(b * h, q, -1), value_states.reshape(b * h, q, -1))
         if self.policy.feature_names:
-            write_features(e, l, store, self.policy, rows.repeat_interleave(q), slots.reshape(-1))
-        n = feeding.key_spans[l]
+            write_features(e, layer, store, self.policy, rows.repeat_interleave(q), slots.reshape(-1))
+        n = feeding.key_spans[layer]
         keys, values = store.read(lanes.start * h, lanes.stop * h, n)
         rr = e.row_range(lanes.start, lanes.stop)
         past = n if q == 1 else n - q
-        visible = None if feeding.gapless[l] else e.occupied[l, rr, :past]
+        visible = None if feeding.gapless[layer] else e.occupied[layer, rr, :past]
         masks = feeding.step.replay_masks
         if masks is not None:
-            by_position = masks[l].gather(1, e.positions[l, rr, :past].clamp_min(0))
-            visible = by_position & e.occupied[l, rr, :past]
-        self.n, self.past, self.visible, self.key_positions = n, past, visible, e.positions[l, rr, :n]
+            by_position = masks[layer].gather(1, e.positions[layer, rr, :past].clamp_min(0))
+            visible = by_position & e.occupied[layer, rr, :past]
+        self.n, self.past, self.visible, self.key_positions = n, past, visible, e.positions[layer, rr, :n]
         self.feeding = feeding
         if self.rotary is not None:
             keys = self.rotary.rotate(keys, self._reindexed_positions(n))
@@ -142,12 +142,12 @@ class CacheLayer(CacheLayerMixin):
         if not stats:
             return
         e, feeding = self.entries, self.current
-        l, lanes, q = self.layer_idx, feeding.step.lanes, feeding.step.tokens
+        layer, lanes, q = self.layer_idx, feeding.step.lanes, feeding.step.tokens
         rr = e.row_range(lanes.start, lanes.stop)
         for name, value in stats.items():
             if name in e.columns:
                 assert e.table is not None, "entries with columns keep a table"
-                column = e.table[l, rr, : value.shape[-1], e.columns.index(name)]
+                column = e.table[layer, rr, : value.shape[-1], e.columns.index(name)]
                 if STATISTICS[name].fold == "replace":
                     column.copy_(value)
                 else:
@@ -155,7 +155,7 @@ class CacheLayer(CacheLayerMixin):
         if e.log is not None and "qlog" in stats:
             logged = self.policy.score.log_rows(stats["qlog"], stats["qlog_nvis"])
             w = e.log.history
-            flat = slice(l * e.rows + rr.start, l * e.rows + rr.stop)
+            flat = slice(layer * e.rows + rr.start, layer * e.rows + rr.stop)
             if q == 1:
                 e.log.append(flat, logged, stats["qlog_nvis"], feeding.query_positions[:, 0] % w, self._wrapped(w))
             else:
@@ -172,16 +172,16 @@ class CacheLayer(CacheLayerMixin):
     def _reindexed_positions(self, n: int) -> torch.Tensor:
         """Under reindex, where each slot's key sits: the row's entries, in order, end just before its new ones."""
         e, feeding = self.entries, self.current
-        l, lanes = self.layer_idx, feeding.step.lanes
+        layer, lanes = self.layer_idx, feeding.step.lanes
         assert feeding.lengths_before is not None, "the cache keeps the lengths before the step under reindex"
         rr = e.row_range(lanes.start, lanes.stop)
-        order = e.order[l, rr, :n]
+        order = e.order[layer, rr, :n]
         r = order.shape[0]
-        held = torch.arange(n, device=order.device) < e.lengths[l, rr].unsqueeze(1)
+        held = torch.arange(n, device=order.device) < e.lengths[layer, rr].unsqueeze(1)
         rank = torch.zeros(r, n + 1, dtype=torch.long, device=order.device)
         rank.scatter_(1, torch.where(held, order, n), torch.arange(n, device=order.device).expand(r, -1))
         rank = rank[:, :n]
-        start = feeding.model_positions[:, :1].repeat_interleave(e.heads, dim=0) - feeding.lengths_before[l].unsqueeze(
-            1
-        )
+        start = feeding.model_positions[:, :1].repeat_interleave(e.heads, dim=0) - feeding.lengths_before[
+            layer
+        ].unsqueeze(1)
         return start + rank
