@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvbench.policies.base import Policy
 from kvbench.policies.full import never_evicting
+from kvbench.stages import Phase
 
 
 @dataclass
@@ -36,14 +37,10 @@ class LayerPlan:
     def window_keep(self) -> int | None:
         return None if self.window is None else self.window - 1
 
-    @property
-    def capacity(self) -> int:
-        return max(self.prefill, self.decode)
-
-    def rows_capacity(self, heads: int, role: str, policy: Policy) -> int:
-        """Slots a row needs in ``role`` ("prefill", "decode" or "both"). Under per-head allocation one head may
-        come to hold most of its layer's ``heads × budget``."""
-        cap = {"prefill": self.prefill, "decode": self.decode, "both": self.capacity}[role]
+    def rows_capacity(self, heads: int, phases: tuple[Phase, ...], policy: Policy) -> int:
+        """Slots a row needs in a cache that serves ``phases``. Under per-head allocation one head may come to
+        hold most of its layer's ``heads × budget``."""
+        cap = max((self.prefill if phase is Phase.prefill else self.decode) for phase in phases)
         if policy.allocation.per_head and self.budget is not None:
             cap = min(self.total, cap + (heads - 1) * self.budget)
         return cap

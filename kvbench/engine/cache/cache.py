@@ -22,7 +22,7 @@ from kvbench.engine.cache.feeding import Feeding
 from kvbench.engine.cache.layer import CacheLayer
 from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
-from kvbench.engine.step import Step
+from kvbench.engine.step import Phase, Step
 from kvbench.policies.base import Policy
 from kvbench.policies.positions import Rotary, layer_rotaries
 from kvbench.policies.state import TokenState
@@ -48,7 +48,7 @@ class Shapes:
 
 class KVCache(Cache):
     """Rows for ``lanes`` sequences. ``plan_sets``: the layer plans of every sequence it will hold (capacities are
-    the largest they need in ``role``: "prefill" for the prompt, "decode" for generating, "both"). ``model`` is
+    the largest they need in the ``phases`` it serves: the prompt's, the decode's, or both). ``model`` is
     needed only for ``positions: reindex`` (its rotary embedding)."""
 
     def __init__(
@@ -56,12 +56,12 @@ class KVCache(Cache):
         plan_sets: list[list[LayerPlan]],
         policy: Policy,
         lanes: int = 1,
-        role: str = "both",
+        phases: tuple[Phase, ...] = (Phase.prefill, Phase.decode),
         seed: int = 0,
         device: torch.device | str = "cpu",
         model: Any = None,
     ):
-        self.lanes, self.role = lanes, role
+        self.lanes, self.phases = lanes, phases
         self.device = torch.device(device)
         plans = plan_sets[0]
         self.plan_sets = plan_sets
@@ -104,7 +104,7 @@ class KVCache(Cache):
         """Buffers for every layer, from the shapes of one layer's keys and values."""
         policies = [layer.policy for layer in self.kv_layers]
         caps = [
-            max(plans[layer].rows_capacity(shapes.heads, self.role, policy) for plans in self.plan_sets)
+            max(plans[layer].rows_capacity(shapes.heads, self.phases, policy) for plans in self.plan_sets)
             for layer, policy in enumerate(policies)
         ]
         columns = sorted(
