@@ -66,13 +66,13 @@ class BatchLoop:
         self.queue = deque(self.sequences)
         self.live: list[Sequence] = []
         self.batch: KVCache | None = None
-        if self.batch_size > 1:
+        if self.batch_size > 1 and self.sequences:
             self.batch = KVCache(
                 [s.plans for s in self.sequences],
                 self.policy,
                 lanes=self.batch_size,
                 phases=(Phase.decode,),
-                seed=self.sequences[0].request.settings.seed if self.sequences else 0,
+                seed=self.sequences[0].request.settings.seed,
                 device=self.device,
                 model=model,
             )
