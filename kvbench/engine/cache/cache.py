@@ -194,7 +194,7 @@ class KVCache(Cache):
         self.evictor.evict(self.allocated, self.stores(), step)
         self.step, self.model_positions, self.feeding = None, None, None
         for layer in self.kv_layers:
-            layer.feeding = None
+            layer.finish()
 
     def layer_state(self, layer: int, lane: int = 0) -> TokenState:
         """What decoder layer ``layer`` of the sequence in ``lane`` holds, as its policy ranks it."""

@@ -104,6 +104,10 @@ class CacheLayer(CacheLayerMixin):
             keys = self.rotary.rotate(keys, self._reindexed_positions(n))
         return keys.view(b, h, n, -1), values.view(b, h, n, -1)
 
+    def finish(self) -> None:
+        """The step is over: its feeding is not read again."""
+        self.feeding = None
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
 
