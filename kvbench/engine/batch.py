@@ -221,6 +221,7 @@ class BatchLoop:
     def _decode_step(self) -> None:
         seqs = self.live
         cache = self.batch if self.batch is not None else seqs[0].cache
+        assert cache is not None, "a live sequence is in a cache"
         t = measure.now(self.device)
         fed = [[s.tokens[-1]] for s in seqs]
         logits = self._forward(cache, seqs, fed, Phase.decode, self.stage.evicts_in(Phase.decode))

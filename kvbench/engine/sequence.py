@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.measure import latency_summary
 from kvbench.engine.plan import LayerPlan
 from kvbench.engine.sampling import DecodeSettings, cut_at_stop
@@ -66,7 +67,7 @@ class Sequence:
     ttft_s: float = 0.0
     peak_prefill: tuple[int, str] = (0, "")
     stop_reason: str | None = None
-    cache: Any = None
+    cache: KVCache | None = None  # the cache its lane is in, while it is live
     sampler: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,7 @@ def finished_generation(
 ) -> Generation:
     """The sequence's ``Generation``, read from its lane before the lane is handed on; ``peak``: the device's
     peak memory and what it measures."""
+    assert seq.cache is not None, "a sequence is finished while it is live"
     summary = seq.cache.summary(seq.lane)
     n_layers = len(windows)
     request = seq.request
