@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.batch import BatchRun
+from kvbench.engine.engine import Engine, EngineSettings, Request
 from kvbench.engine.measure import PeakMemory
-from kvbench.engine.sequence import Request
 from kvbench.policies.base import Policy
+from kvbench.stages import Stage
 
 GIB = 1 << 30
 
@@ -56,13 +56,15 @@ def probe(
     device = next(model.parameters()).device
     chosen = [requests[i % len(requests)] for i in range(batch)]
     error, generations = None, []
-    run = BatchRun(model, None, chosen, policy, budget, stage, batch, stride)  # packs weights (CPU): not counted
+    engine = Engine(
+        model, None, EngineSettings(policy, budget, Stage(stage), batch, stride)
+    )  # packs weights: not counted
     with PeakMemory(device) as memory:
         try:
-            generations = run.run()
+            generations = engine.run(chosen)
         except torch.cuda.OutOfMemoryError as err:
             error = f"OutOfMemoryError: {err}"
-    del run
+    del engine
     peak = memory.peak + (memory.base if device.type == "cuda" else 0)  # CUDA: all device memory in use
     if error is not None:
         if device.type == "cuda":  # the failed run's blocks go back to the device before the next probe
@@ -73,7 +75,7 @@ def probe(
         dt for g in generations[:1] for dt, n in zip(g.decode_latencies_s, g.decode_batch_sizes) if n == batch
     ]
     step = statistics.median(full_steps) if full_steps else None
-    resident = sum(g.kv_resident_peak_bytes for g in generations)
+    resident = sum(g.measures.kv_resident_peak_bytes for g in generations)
     return Probe(
         batch,
         peak <= cap_bytes,

@@ -30,8 +30,7 @@ import torch
 
 from kvbench.capacity import GIB, largest_batch, probe
 from kvbench.engine import measure
-from kvbench.engine.batch import BatchRun
-from kvbench.engine.generate import DecodeSettings, Request
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,7 +54,7 @@ def prompts(vocab: int, n: int, count: int, new: int) -> list[Request]:
 
 def kvbench_step(model: Any, reqs: list[Request], name: str, budget: float, stage: str) -> float:
     """Median seconds of a decode step while every sequence of the batch is live."""
-    gens = BatchRun(model, None, reqs, policy(name), budget, stage, len(reqs)).run()
+    gens = Engine(model, None, EngineSettings(policy(name), budget, stage, len(reqs))).run(reqs)
     return statistics.median(gens[0].decode_latencies_s)
 
 

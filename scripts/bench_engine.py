@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 from kvbench.engine import measure
 from kvbench.engine.attention import kvbench_attention_enabled
-from kvbench.engine.generate import DecodeSettings, generate, generation
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies.registry import build_policy
 
@@ -118,10 +118,9 @@ def kvbench_times(
 ) -> tuple[float, float]:
     """(prefill seconds, median decode seconds per token) of one kvbench generation."""
     lm.model.generation_config.eos_token_id = None  # with no tokenizer either: exactly new_tokens
-    g = generate(
-        lm.model, None, ids, policy(name), budget, stage, DecodeSettings(max_new_tokens=new_tokens), stride=stride
-    )
-    return g.prefill_s, statistics.median(g.decode_latencies_s)
+    engine = Engine(lm.model, None, EngineSettings(policy(name), budget, stage, stride=stride))
+    (g,) = engine.run([Request(ids, settings=DecodeSettings(max_new_tokens=new_tokens))])
+    return g.measures.timings.prefill_s, statistics.median(g.decode_latencies_s)
 
 
 def interleaved_step_ms(
@@ -137,17 +136,16 @@ def interleaved_step_ms(
         for _ in range(args.repeats):
             live = {}
             for label, (name, budget, stage, ids) in runs.items():
-                live[label] = generation(lm.model, None, ids, policy(name), budget, stage, settings, stride=args.stride)
+                engine = Engine(lm.model, None, EngineSettings(policy(name), budget, stage, stride=args.stride))
+                live[label] = engine.steps([Request(ids, settings=settings)])
                 next(live[label])  # the prompt
             for step in itertools.count():
                 if not live:
                     break
                 labels = list(live)
                 for label in labels[step % len(labels) :] + labels[: step % len(labels)]:
-                    try:
-                        next(live[label])
-                    except StopIteration as done:
-                        steps[label] += done.value.decode_latencies_s
+                    for _, g in next(live[label]):
+                        steps[label] += g.decode_latencies_s
                         del live[label]
     return {label: statistics.median(xs) * 1e3 for label, xs in steps.items()}
 
@@ -181,9 +179,8 @@ def prefill_peak(lm: LoadedModel, ids: list[int], name: str, stride: int | None)
     """Peak memory of one prefill (budget 512) above what was allocated before it."""
 
     def run() -> None:
-        generate(
-            lm.model, lm.tokenizer, ids, policy(name), 512, "prefill", DecodeSettings(max_new_tokens=1), stride=stride
-        )
+        engine = Engine(lm.model, lm.tokenizer, EngineSettings(policy(name), 512, stride=stride))
+        engine.run([Request(ids, settings=DecodeSettings(max_new_tokens=1))])
 
     if lm.device.type == "cuda":
         torch.cuda.empty_cache()

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvbench.engine.generate import DecodeSettings, generate  # noqa: E402
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request  # noqa: E402
 from kvbench.models import load_model  # noqa: E402
 from kvbench.policies.registry import build_policy  # noqa: E402
 
@@ -46,17 +46,8 @@ def named_policies(names: list[str] | None) -> dict[str, dict]:
 def time_cell(lm, policy, ids, forced, budget, stage, stride, repeats: int) -> dict:
     def once():
         t0 = time.perf_counter()
-        g = generate(
-            lm.model,
-            lm.tokenizer,
-            ids,
-            policy,
-            budget,
-            stage,
-            DecodeSettings(max_new_tokens=len(forced)),
-            stride=stride,
-            forced_tokens=forced,
-        )
+        engine = Engine(lm.model, lm.tokenizer, EngineSettings(policy, budget, stage, stride=stride))
+        (g,) = engine.run([Request(ids, settings=DecodeSettings(max_new_tokens=len(forced)), forced_tokens=forced)])
         return g, time.perf_counter() - t0
 
     once()  # warm-up
@@ -66,9 +57,9 @@ def time_cell(lm, policy, ids, forced, budget, stage, stride, repeats: int) -> d
     return {
         "step_ms": 1000 * statistics.median(per_run),
         "step_ms_spread": 1000 * (max(per_run) - min(per_run)),
-        "prefill_s": statistics.median(r[0].prefill_s for r in runs),
-        "resident_kib": g.kv_resident_bytes / 1024,
-        "kept": g.kept_tokens,
+        "prefill_s": statistics.median(r[0].measures.timings.prefill_s for r in runs),
+        "resident_kib": g.measures.kv_resident_bytes / 1024,
+        "kept": g.measures.kept_tokens,
     }
 
 

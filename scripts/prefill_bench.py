@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.engine.measure import PeakMemory
 from kvbench.models import LoadedModel
 
@@ -36,9 +36,10 @@ BUDGET = 0.25
 
 def prefill_run(lm: LoadedModel, ids: list[int], policy: Any, stride: int | None) -> tuple[float, int]:
     """(prefill seconds, peak bytes above the level before) of one prompt compression."""
+    engine = Engine(lm.model, None, EngineSettings(policy, BUDGET, stride=stride))
     with PeakMemory(lm.device) as memory:
-        g = generate(lm.model, None, ids, policy, BUDGET, "prefill", DecodeSettings(max_new_tokens=1), stride=stride)
-    return g.prefill_s, memory.peak
+        (g,) = engine.run([Request(ids, settings=DecodeSettings(max_new_tokens=1))])
+    return g.measures.timings.prefill_s, memory.peak
 
 
 def prefill_table(

@@ -10,33 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
 
 from kvbench.budget import budget_problem
+from kvbench.stages import Choice, Stage
 
 Check = Callable[[Any], str | None]
-
-
-class Choice(str, Enum):
-    """An enum whose members are their strings (``Stage.prefill == "prefill"``, formatted as ``prefill``), as
-    ``enum.StrEnum`` is from Python 3.11 on."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-
-class Stage(Choice):
-    """Where the budget applies: compressing the prompt, while generating, or both."""
-
-    prefill = "prefill"
-    decode = "decode"
-    both = "both"
 
 
 class Positions(Choice):

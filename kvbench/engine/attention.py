@@ -13,13 +13,16 @@ built per layer (causal inside the chunk, every kept past entry visible except w
 hides) and the few rows a policy reads (the last query, an observation window) from
 ``blocked.attention_statistics``; a chunk whose statistics sum over every query, or a softcapped one (SDPA
 cannot softcap), takes its output and statistics from one blocked pass (``engine/blocked.py``). Once the
-output exists the cache folds the statistics in; it evicts after the step's last layer. A policy that needs no
-statistics pays nothing, and once no later step will evict none are computed.
+output exists the layer records the statistics (``CacheLayer.record``); the cache evicts when the step
+finishes. A policy that needs no statistics pays nothing, and once no later step will evict
+(``Step.collects``) none are computed. The attention finds the cache of the forward under way through
+``attending``, which the batch loop holds around each forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, cast
 
@@ -33,6 +36,8 @@ from kvbench.policies.statistics import Latest, Logged, Summed, attention_names,
 
 if TYPE_CHECKING:
     from kvbench.engine.cache.cache import KVCache
+    from kvbench.engine.cache.layer import CacheLayer
+    from kvbench.engine.step import Step
 
 ATTN_NAME = "kvbench"
 # Arguments of transformers' attention interface that carry nothing kvbench must compute (bookkeeping the
@@ -131,19 +136,20 @@ def kvbench_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    cache: KVCache | None = kwargs.pop("kvbench_cache", None)
+    cache = attended_cache()
     if cache is None:  # a plain call (no kvbench cache): behave exactly like SDPA
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     layer_idx = cast(int, module.layer_idx)  # every transformers attention module numbers its layer
     layer = cache.kv_layers[layer_idx]
+    step = layer.current.step
     kwargs["dropout"] = dropout  # the rest of kwargs is not read past this point
     size, softcap = family_arguments(layer_idx, kwargs, layer.plan.window)
     q = query.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     policy = layer.policy
-    needs = policy.needs if cache.collecting else frozenset()
+    needs = policy.needs if step.collects else frozenset()
     window = layer.step_window(size)
     collecting = bool(attention_names(needs))
     if q == 1:
@@ -160,7 +166,7 @@ def kvbench_attention(
                 ],
                 {},
             )
-        cache.after_attention(layer_idx, q, _with_queries(stats, cache, layer_idx, query))
+        layer.record(_with_queries(stats, layer, step, query))
         return output, None
     if query.shape[0] != 1:
         raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
@@ -181,7 +187,7 @@ def kvbench_attention(
             value,
         )
         output = stats.pop("output")
-        cache.after_attention(layer_idx, q, _with_queries(stats, cache, layer_idx, query))
+        layer.record(_with_queries(stats, layer, step, query))
         return output, None
     output = _sdpa(module, query, key, value, scaling, past, layer.visible, window)
     stats = (
@@ -189,27 +195,27 @@ def kvbench_attention(
         if collecting
         else {}
     )
-    cache.after_attention(layer_idx, q, _with_queries(stats, cache, layer_idx, query))
+    layer.record(_with_queries(stats, layer, step, query))
     return output, None
 
 
 def _with_queries(
-    stats: dict[str, torch.Tensor], cache: KVCache, layer_idx: int, query: torch.Tensor
+    stats: dict[str, torch.Tensor], layer: CacheLayer, step: Step, query: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """``stats`` plus, where the policy declared them (``Score.queries``) and the step evicts, the step's last
     queries as ``queries`` [B × kv_heads, group, k, D]: as attention saw them, or with the model's RoPE undone."""
-    wants = cache.kv_layers[layer_idx].policy.queries
-    if wants is None or not cache.evicting:
+    wants = layer.policy.queries
+    if wants is None or not step.evicts:
         return stats
     b, hq, q, dim = query.shape
     k = min(q, wants.last)
     last = query[:, :, q - k :].clone()  # a copy: a view would hold the whole chunk's queries until the eviction
     if not wants.rope:
-        rotaries = cache.inputs.rotaries
+        rotaries = layer.inputs.rotaries
         assert rotaries is not None, "the cache keeps the rotaries of a policy reading pre-RoPE queries"
-        positions = cache.step_model_positions[:, q - k :].unsqueeze(1)  # [B, 1, k]: where the model rotated them
-        last = rotaries[layer_idx].unrotate(last, positions)
-    hkv = cache.allocated.heads
+        positions = layer.current.model_positions[:, q - k :].unsqueeze(1)  # [B, 1, k]: where the model rotated
+        last = rotaries[layer.layer_idx].unrotate(last, positions)
+    hkv = layer.entries.heads
     return {**stats, "queries": last.reshape(b * hkv, hq // hkv, k, dim)}
 
 
@@ -254,6 +260,26 @@ def _sdpa(
 
 
 AttentionInterface.register(ATTN_NAME, kvbench_attention)
+
+
+# The cache the model's forward attends over: set for the forward's duration (``attending``), read by the attention
+# function, which transformers calls with the layer's tensors but no handle on the cache.
+_ATTENDING: contextvars.ContextVar[KVCache | None] = contextvars.ContextVar("kvbench_attending", default=None)
+
+
+def attended_cache() -> KVCache | None:
+    """The cache of the forward under way (None outside ``attending``)."""
+    return _ATTENDING.get()
+
+
+@contextlib.contextmanager
+def attending(cache: KVCache) -> Iterator[None]:
+    """Route every kvbench attention call of the enclosed forward to ``cache``'s layers."""
+    token = _ATTENDING.set(cache)
+    try:
+        yield
+    finally:
+        _ATTENDING.reset(token)
 
 
 @contextlib.contextmanager

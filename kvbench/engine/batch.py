@@ -1,11 +1,11 @@
 """Many sequences through one cache: each prompt prefilled on its own, then decoded together, one forward per
-step for every live sequence; a finished sequence's slot is refilled from the queue, so the batch stays full.
+step for every live sequence; a finished sequence's lane is refilled from the queue, so the batch stays full.
 
 Every fed token gets its true index in its own sequence (the cache's length is never the position), and each
 sequence keeps its own budget, statistics, sampler, stop strings, EOS and ``max_new_tokens``. At ``batch_size``
 1 the one cache holds the prompt and the decode alike (what a single-sequence run needs). Larger batches decode
 in rows sized for decoding (the budget, not the prompt) and prefill each prompt in a cache of its own, whose
-kept rows then move into the sequence's slot: the prompt's full cache is working memory of one sequence at a
+kept rows then move into the sequence's lane: the prompt's full cache is working memory of one sequence at a
 time, never of the batch.
 """
 
@@ -17,18 +17,19 @@ from typing import Any
 
 import torch
 
-from kvbench.budget import too_small
-from kvbench.engine import allocator, measure
-from kvbench.engine.attention import kvbench_attention_enabled
+from kvbench.budget import budget_tokens, too_small
+from kvbench.engine import measure
+from kvbench.engine.attention import attending, kvbench_attention_enabled
 from kvbench.engine.cache.cache import KVCache
-from kvbench.engine.fused_llama import FusedLlama, supports
+from kvbench.engine.fused_llama import FusedLlama
 from kvbench.engine.plan import plan_layers
 from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
-from kvbench.engine.sequence import Request, Sequence, finished_generation, reference_length, resolve_budget
-from kvbench.families import check_supported, layer_windows
-from kvbench.policies.base import Policy
+from kvbench.engine.sequence import Generation, Request, Sequence, finished_generation, reference_length
+from kvbench.engine.settings import EngineSettings
+from kvbench.engine.step import Phase, Step
 
-STAGES = ("prefill", "decode", "both")
+# A request finished by a unit of work: its index in the request list, and its generation or what made it fail.
+Finished = tuple[int, Generation | Exception]
 
 
 def cache_argument(model: Any) -> str:
@@ -37,89 +38,56 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def fused_forward_for(model: Any, fused: bool | None) -> FusedLlama | None:
-    """The model's fused forward, built once and kept on the model; None where it does not apply. By default CPU
-    only: an accelerator's kernels take transposed weights as they are, and fused copies would double them."""
-    if fused is False or (fused is None and next(model.parameters()).device.type != "cpu"):
-        return None
-    ok, why = supports(model)
-    if not ok:
-        if fused:
-            raise ValueError(f"fused=true but {why}; use fused=false")
-        return None
-    key = (next(model.parameters()).device, next(model.parameters()).dtype)
-    cached = getattr(model, "_kvbench_fused", None)
-    if cached is None or cached[0] != key:
-        cached = (key, FusedLlama(model))
-        model._kvbench_fused = cached
-    return cached[1]
-
-
-class BatchRun:
+class BatchLoop:
     """The requests' generations, advanced one unit of work per ``step()`` (one prompt's prefill, or one decode
-    step of the batch), so that a benchmark can interleave several runs."""
+    step of the batch). Built by ``Engine.steps``."""
 
     def __init__(
         self,
         model: Any,
         tokenizer: Any,
+        settings: EngineSettings,
+        windows: list[int | None],
+        fused: FusedLlama | None,
         requests: list[Request],
-        policy: Policy,
-        budget: float | int,
-        stage: str = "prefill",
-        batch_size: int = 1,
-        stride: int | None = None,
-        return_logits: bool = False,
-        trace: bool = False,
-        fused: bool | None = None,
     ):
-        if stage not in STAGES:
-            raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size {batch_size} must be >= 1")
-        check_supported(model.config)
-        self.model, self.tokenizer, self.policy, self.stage = model, tokenizer, policy, stage
-        self.batch_size, self.return_logits, self.trace = batch_size, return_logits, trace
+        self.model, self.tokenizer, self.settings, self.windows, self.fused = model, tokenizer, settings, windows, fused
+        self.policy, self.stage, self.batch_size = settings.policy, settings.stage, settings.batch_size
         self.device = next(model.parameters()).device
-        self.windows = layer_windows(model.config)
-        self.prefill_evicts = stage in ("prefill", "both")
-        self.decode_evicts = stage in ("decode", "both")
-        self.sequences = [self._sequence(i, r, budget, stride) for i, r in enumerate(requests)]
+        self.sequences: list[Sequence] = []
+        self.refused: list[Finished] = []  # requests that cannot run: finished by the first unit of work
+        for i, request in enumerate(requests):
+            try:
+                self.sequences.append(self._sequence(i, request))
+            except ValueError as err:
+                self.refused.append((i, err))
         self.cache_kw = cache_argument(model)
-        if self.device.type == "cpu":
-            allocator.map_large_blocks_alone()
-        self.fused = fused_forward_for(model, fused)
-        if self.fused is not None:
-            self.fused.pack(batch_size)
         self.stops = eos_ids(model, tokenizer)
         self.queue = deque(self.sequences)
         self.live: list[Sequence] = []
         self.batch: KVCache | None = None
-        if batch_size > 1:
+        if self.batch_size > 1 and self.sequences:
             self.batch = KVCache(
                 [s.plans for s in self.sequences],
-                policy,
-                slots=batch_size,
-                role="decode",
-                seed=self._seed(),
+                self.policy,
+                lanes=self.batch_size,
+                phases=(Phase.decode,),
+                seed=self.sequences[0].request.settings.seed,
                 device=self.device,
                 model=model,
             )
         self.started = False
+        self.finished: list[Finished] = []
 
-    def _seed(self) -> int:
-        return self.sequences[0].request.settings.seed if self.sequences else 0
-
-    def _sequence(self, index: int, request: Request, budget: float | int, stride: int | None) -> Sequence:
+    def _sequence(self, index: int, request: Request) -> Sequence:
         context, suffix = len(request.input_ids), len(request.suffix_ids)
         if context < 1:
             raise ValueError("the prompt is empty")
-        chunk = stride or context
-        if chunk < 1:
-            raise ValueError(f"stride {stride} must be >= 1")
+        chunk = self.settings.stride or context
         new = request.settings.max_new_tokens
+        budget = self.settings.budget
         tokens = (
-            resolve_budget(budget, reference_length(self.stage, context, suffix, new)) if self.policy.evicts else None
+            budget_tokens(budget, reference_length(self.stage, context, suffix, new)) if self.policy.evicts else None
         )
         problem = None if tokens is None else too_small(tokens, self.policy)
         if problem:
@@ -128,64 +96,69 @@ class BatchRun:
         return Sequence(index, request, plans, tokens, chunk, self.device)
 
     # -- driving -----------------------------------------------------------------------------------------------
-    def step(self) -> bool:
-        """One unit of work; False once every request is done."""
+    @property
+    def done(self) -> bool:
+        return not (self.queue or self.live or self.refused)
+
+    def step(self) -> list[Finished]:
+        """One unit of work; the requests it finished. A unit that fails finishes the requests it was working
+        on (the prompt being prefilled, or every live sequence) with its error; the others go on."""
         if not self.started:
             measure.reset_peak(self.device)
             self.started = True
-        with torch.inference_mode(), kvbench_attention_enabled(self.model):
-            if self.queue and len(self.live) < self.batch_size:
-                self._admit(self.queue.popleft())
-            elif self.live:
-                self._decode_step()
-            else:
-                return False
-        return bool(self.queue or self.live)
-
-    def run(self) -> list[Any]:
-        with kvbench_attention_enabled(self.model):  # held for the whole run, not set again at every step
-            while self.step():
-                pass
-        return self.results()
-
-    def results(self) -> list[Any]:
-        return [s.generation for s in self.sequences]
+        self.finished, self.refused = self.refused, []
+        working = list(self.live)
+        try:
+            with torch.inference_mode(), kvbench_attention_enabled(self.model):
+                if self.queue and len(self.live) < self.batch_size:
+                    working = [self.queue.popleft()]
+                    self._admit(working[0])
+                elif self.live:
+                    self._decode_step()
+        except Exception as err:
+            self.live = [s for s in self.live if s not in working]  # all of them, or the newest lane's
+            self.finished += [(s.index, err) for s in working]
+            for s in working:
+                s.cache = None
+        return self.finished
 
     # -- forwards ----------------------------------------------------------------------------------------------
     def _forward(
-        self, cache: KVCache, lo: int, seqs: list[Sequence], ids: list[list[int]], evicting: bool, phase: str
+        self, cache: KVCache, seqs: list[Sequence], ids: list[list[int]], phase: Phase, evicts: bool
     ) -> torch.Tensor:
-        """One forward of slots ``lo:lo + len(seqs)``; the last position's logits [B, V]."""
+        """One forward of lanes ``0:len(seqs)``; the last position's logits [B, V]."""
         positions = [[s.position + i for i in range(len(t))] for s, t in zip(seqs, ids)]
-        fed = cache.begin_step(lo, lo + len(seqs), positions, evicting, phase, collecting=self.decode_evicts)
-        cache.hidden = self._replay_masks(cache, seqs, positions)
+        step = Step(
+            lanes=range(len(seqs)),
+            positions=positions,
+            phase=phase,
+            evicts=evicts,
+            collects=evicts or self.stage.evicts_in(Phase.decode),
+            replay_masks=self._replay_masks(cache, seqs, positions),
+        )
+        fed = cache.begin(step)
         input_ids = torch.tensor(ids, device=self.device)
-        if self.fused is not None:
-            logits = self.fused(input_ids, fed, cache)
-        else:
-            logits = self.model(
-                input_ids=input_ids,
-                position_ids=fed,
-                use_cache=True,
-                logits_to_keep=1,
-                kvbench_cache=cache,
-                **{self.cache_kw: cache},
-            ).logits[:, -1]
-        cache.end_step()
-        cache.hidden = None
-        resident = cache.resident_by_slot(lo, lo + len(seqs))
+        with attending(cache):
+            if self.fused is not None:
+                logits = self.fused(input_ids, fed, cache)
+            else:
+                logits = self.model(
+                    input_ids=input_ids, position_ids=fed, use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}
+                ).logits[:, -1]
+        cache.finish(step)
+        resident = cache.resident_by_lane(step.lanes)
         for i, (s, t) in enumerate(zip(seqs, ids)):
             s.position += len(t)
             s.forwards += 1
             s.resident_peak = max(s.resident_peak, resident[i])
-            if self.trace:
-                s.traces.append(cache.kept_positions(lo + i))
+            if self.settings.trace:
+                s.traces.append(cache.kept_positions(i))
         return logits
 
     def _replay_masks(
         self, cache: KVCache, seqs: list[Sequence], positions: list[list[int]]
     ) -> list[torch.Tensor] | None:
-        """Masked replay: each layer's past hidden down to what the traced run held at this step, by position."""
+        """Masked replay: each layer's past down to what the traced run held at this step, by position."""
         traced = [s.request.replay_trace for s in seqs]
         if all(t is None for t in traced) or all(s.forwards == 0 for s in seqs):
             return None
@@ -193,11 +166,11 @@ class BatchRun:
             raise ValueError("masked replay needs a trace for every sequence of the batch")
         width = max(p[-1] for p in positions) + 1
         masks: list[torch.Tensor] = []
-        for l in range(len(cache.layers)):
+        for layer in range(len(self.windows)):
             rows = []
             for s, p, trace in zip(seqs, positions, traced):
                 assert trace is not None, "checked above: every sequence has a trace"
-                held = trace[s.forwards - 1][l].to(self.device)
+                held = trace[s.forwards - 1][layer].to(self.device)
                 by_position = torch.zeros(held.shape[0], width, dtype=torch.bool, device=self.device)
                 by_position.scatter_(1, held, True)
                 by_position[:, p[0] :] = True  # the step's own tokens
@@ -206,13 +179,13 @@ class BatchRun:
         return masks
 
     def _admit(self, seq: Sequence) -> None:
-        """Prefill one prompt (its chunks, then the suffix) and give the sequence a slot of the batch."""
-        slot = len(self.live)
+        """Prefill one prompt (its chunks, then the suffix) and give the sequence a lane of the batch."""
+        lane = len(self.live)
         cache = KVCache(
             [seq.plans],
             self.policy,
-            slots=1,
-            role="both" if self.batch is None else "prefill",
+            lanes=1,
+            phases=(Phase.prefill, Phase.decode) if self.batch is None else (Phase.prefill,),
             seed=seq.request.settings.seed,
             device=self.device,
             model=self.model,
@@ -223,10 +196,11 @@ class BatchRun:
         ids = request.input_ids
         logits = None
         for start in range(0, len(ids), seq.chunk):
-            logits = self._forward(cache, 0, [seq], [ids[start : start + seq.chunk]], self.prefill_evicts, "prefill")
+            chunk = [ids[start : start + seq.chunk]]
+            logits = self._forward(cache, [seq], chunk, Phase.prefill, self.stage.evicts_in(Phase.prefill))
         seq.kept_after_prefill = cache.summary(0).kept_per_layer
         if request.suffix_ids:
-            logits = self._forward(cache, 0, [seq], [list(request.suffix_ids)], False, "prefill")
+            logits = self._forward(cache, [seq], [list(request.suffix_ids)], Phase.prefill, False)  # never evicted
         seq.prefill_s = measure.now(self.device) - seq.t0
         assert logits is not None, "a prompt has at least one chunk"
         self._take(seq, logits[0])
@@ -235,20 +209,22 @@ class BatchRun:
         if self.batch is None:
             seq.cache = cache
         else:
-            self.batch.copy_slot(cache, 0, slot)
+            self.batch.copy_lane(cache, 0, lane)
             seq.cache = self.batch
             del cache
             if self.device.type == "cpu":  # the prompt's working memory goes back to the system, not to the heap
                 measure.trim_freed_memory(collect=False)
-        seq.slot = slot
+        seq.lane = lane
         self.live.append(seq)
         self._retire([seq] if self._stop(seq) else [])
 
     def _decode_step(self) -> None:
         seqs = self.live
         cache = self.batch if self.batch is not None else seqs[0].cache
+        assert cache is not None, "a live sequence is in a cache"
         t = measure.now(self.device)
-        logits = self._forward(cache, 0, seqs, [[s.tokens[-1]] for s in seqs], self.decode_evicts, "decode")
+        fed = [[s.tokens[-1]] for s in seqs]
+        logits = self._forward(cache, seqs, fed, Phase.decode, self.stage.evicts_in(Phase.decode))
         greedy = None
         if all(not s.request.settings.do_sample and not s.request.forced_tokens for s in seqs):
             greedy = logits.argmax(dim=-1).tolist()
@@ -269,7 +245,7 @@ class BatchRun:
         else:
             token = int(choose_token(logits, seq.request.settings, seq.sampler))
         seq.tokens.append(token)
-        if self.return_logits:
+        if self.settings.return_logits:
             seq.logits.append(logits.float().cpu())
 
     def _stop(self, seq: Sequence) -> bool:
@@ -284,17 +260,16 @@ class BatchRun:
         return seq.stop_reason is not None
 
     def _retire(self, done: list[Sequence]) -> None:
-        """Finish ``done`` and close the batch's gaps: the last live sequence moves into a freed slot."""
-        for seq in sorted(done, key=lambda s: -s.slot):
-            peak, kind = measure.peak_memory_bytes(self.device)
-            seq.generation = finished_generation(
-                seq, self.tokenizer, self.stage, self.windows, self.batch_size, peak, kind
-            )
+        """Finish ``done`` and close the batch's gaps: the last live sequence moves into a freed lane."""
+        for seq in sorted(done, key=lambda s: -s.lane):
+            peak = measure.peak_memory_bytes(self.device)
+            generation = finished_generation(seq, self.tokenizer, self.stage, self.windows, self.batch_size, peak)
+            self.finished.append((seq.index, generation))
             last = self.live[-1]
             if last is not seq:
                 assert self.batch is not None, "two live sequences share the batch's cache"
-                self.batch.copy_slot(self.batch, last.slot, seq.slot)
-                self.live[seq.slot] = last
-                last.slot = seq.slot
+                self.batch.copy_lane(self.batch, last.lane, seq.lane)
+                self.live[seq.lane] = last
+                last.lane = seq.lane
             self.live.pop()
             seq.cache = None

@@ -8,6 +8,7 @@ the attention function and therefore every policy are exactly the ones the model
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,6 @@ class FusedLlama:
         ok, why = supports(model)
         if not ok:
             raise ValueError(f"fused forward unavailable: {why}")
-        self.model = model
         core = model.model
         self.embed, self.rotary, self.norm = core.embed_tokens, core.rotary_emb, core.norm
         self.lm_head = model.lm_head.weight.detach().t().contiguous()
@@ -115,9 +115,33 @@ class FusedLlama:
             v = v.view(batch, length, -1, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             k, v = cache.update(k, v, layer.attn.layer_idx)
-            out, _ = attend(layer.attn, q, k, v, None, scaling=layer.attn.scaling, kvbench_cache=cache)
+            out, _ = attend(layer.attn, q, k, v, None, scaling=layer.attn.scaling)
             hidden = hidden + self.product(out.reshape(batch, length, -1), layer.o)
             x = layer.norm_post(hidden)
             gate, up = self.product(x, layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + self.product(torch.nn.functional.silu(gate) * up, layer.down)
         return self.product(self.norm(hidden[:, -1:]), self.lm_head)[:, -1]
+
+
+def fused_forward_for(model: Any, fused: bool | None) -> FusedLlama | None:
+    """The model's fused forward, built once and kept on the model; None where it does not apply. By default CPU
+    only: an accelerator's kernels take transposed weights as they are, and fused copies would double them."""
+    if fused is False or (fused is None and next(model.parameters()).device.type != "cpu"):
+        return None
+    ok, why = supports(model)
+    if not ok:
+        if fused:
+            raise ValueError(f"fused=true but {why}; use fused=false")
+        return None
+    key = (next(model.parameters()).device, next(model.parameters()).dtype)
+    cached = _BUILT.get(model)
+    if cached is None or cached[0] != key:
+        cached = _BUILT[model] = (key, FusedLlama(model))
+    return cached[1]
+
+
+# Each model's fused forward, for the device and dtype it was built on; it goes when the model goes (the fused
+# forward holds the model's modules, never the model).
+_BUILT: weakref.WeakKeyDictionary[Any, tuple[tuple[torch.device, torch.dtype], FusedLlama]] = (
+    weakref.WeakKeyDictionary()
+)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 
@@ -81,6 +82,10 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device, self.peak = device, 0
         self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss"
+        self.base = self.highest = 0
+        self.process = psutil.Process() if device.type != "cuda" else None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
@@ -88,19 +93,19 @@ class PeakMemory:
             self.base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
-        import psutil
-
         trim_freed_memory()
-        self.proc, self.done = psutil.Process(), threading.Event()
-        self.base = self.highest = self.proc.memory_info().rss
-        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.base = self.highest = self._rss()
         self.thread.start()
         return self
 
     def _sample(self) -> None:
         while not self.done.is_set():
-            self.highest = max(self.highest, self.proc.memory_info().rss)
+            self.highest = max(self.highest, self._rss())
             time.sleep(0.001)
+
+    def _rss(self) -> int:
+        assert self.process is not None, "sampled on CPU only"
+        return int(self.process.memory_info().rss)
 
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":

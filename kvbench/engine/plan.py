@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.policies.base import Policy
-from kvbench.policies.scopes.everything import All
-from kvbench.policies.scores.recency import Recency
+from kvbench.policies.full import never_evicting
+from kvbench.stages import Phase
 
 
 @dataclass
@@ -22,7 +22,7 @@ class LayerPlan:
     """What one layer of one sequence may hold: its token budget in the policy's evicting steps (None = the policy
     never evicts here) and the most entries a row holds while the prompt is fed (``prefill``) and while
     decoding (``decode``), of ``total`` tokens in all. A sliding-window layer (``window``) also drops, after every
-    step, what its next query cannot see: each head keeps at most its newest ``window - 1`` entries (``hold``),
+    step, what its next query cannot see: each head keeps at most its newest ``window - 1`` entries (``window_keep``),
     which is exact. ``policy`` replaces the run's policy in this layer (a sliding layer that only holds its
     window)."""
 
@@ -34,17 +34,13 @@ class LayerPlan:
     policy: Policy | None = None
 
     @property
-    def hold(self) -> int | None:
+    def window_keep(self) -> int | None:
         return None if self.window is None else self.window - 1
 
-    @property
-    def capacity(self) -> int:
-        return max(self.prefill, self.decode)
-
-    def rows_capacity(self, heads: int, role: str, policy: Policy) -> int:
-        """Slots a row needs in ``role`` ("prefill", "decode" or "both"). Under per-head allocation one head may
-        come to hold most of its layer's ``heads × budget``."""
-        cap = {"prefill": self.prefill, "decode": self.decode, "both": self.capacity}[role]
+    def rows_capacity(self, heads: int, phases: tuple[Phase, ...], policy: Policy) -> int:
+        """Slots a row needs in a cache that serves ``phases``. Under per-head allocation one head may come to
+        hold most of its layer's ``heads × budget``."""
+        cap = max((self.prefill if phase is Phase.prefill else self.decode) for phase in phases)
         if policy.allocation.per_head and self.budget is not None:
             cap = min(self.total, cap + (heads - 1) * self.budget)
         return cap
@@ -86,14 +82,7 @@ def sliding_problem(policy: Policy, windows: list[int | None]) -> str | None:
 def window_only(policy: Policy) -> Policy:
     """What a sliding layer runs when the policy leaves it alone: it holds its window, stored as the policy
     stores entries (quantised, re-indexed)."""
-    return Policy(
-        name=policy.name,
-        score=Recency(),
-        scope=All(),
-        evicts=False,
-        quantize=policy.quantize,
-        positions=policy.positions,
-    )
+    return never_evicting(policy.name, policy.quantize, policy.positions)
 
 
 def plan_layers(

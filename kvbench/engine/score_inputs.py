@@ -62,7 +62,7 @@ def layer_weights(model: Any, names: frozenset[str], layers: int) -> list[dict[s
             f"a score reads {', '.join(sorted(names))}, but only layers {sorted(found)} of {layers} have an attention "
             f"module with {', '.join(sorted(wanted))}: this family is not supported by that score"
         )
-    return [found[l] for l in range(layers)]
+    return [found[layer] for layer in range(layers)]
 
 
 class ScoreInputs:

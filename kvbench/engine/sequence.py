@@ -1,5 +1,5 @@
 """One sequence of a run: what it asks for (``Request``), where it stands (``Sequence``) and what it produced
-(``Generation``, the row's engine fields)."""
+(``Generation``, with the row's ``Measures``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
-from kvbench.budget import budget_tokens as resolve_budget  # noqa: F401  (the engine's name for it)
+from kvbench.engine.cache.cache import KVCache
+from kvbench.engine.measure import latency_summary
 from kvbench.engine.plan import LayerPlan
 from kvbench.engine.sampling import DecodeSettings, cut_at_stop
+from kvbench.results.schema import Measures, Timings
 
 
 @dataclass
@@ -28,31 +30,15 @@ class Request:
 
 @dataclass
 class Generation:
+    """What one request produced: its tokens and text, the measures its row records (built once, here), each
+    decode step's seconds and how many sequences shared it, and, when the run asked, each step's logits
+    [steps, V] and each forward's kept positions (per layer, [KV heads, kept])."""
+
     tokens: list[int]
     text: str
-    stop_reason: str
-    prompt_tokens: int
-    budget_tokens: int | None
-    kept_tokens: float
-    seen_tokens: int
-    budget_achieved: float
-    budget_achieved_per_layer: list[float]
-    kv_resident_bytes: int
-    kv_resident_peak_bytes: int
-    # Full-attention and sliding-window layers apart (None where the model has no layer of that kind).
-    budget_achieved_full: float | None
-    budget_achieved_sliding: float | None
-    kv_resident_bytes_full: int | None
-    kv_resident_bytes_sliding: int | None
-    kv_capacity_bytes: int
-    prefill_s: float
-    ttft_s: float
-    decode_latencies_s: list[float]
-    peak_memory_prefill_bytes: int
-    peak_memory_bytes: int
-    peak_memory_kind: str
-    # The batch it decoded in: the run's batch size and how many sequences shared each of its decode steps.
-    batch_size: int = 1
+    measures: Measures
+    batch_size: int = 1  # the run's: how many sequences may decode together
+    decode_latencies_s: list[float] = field(default_factory=list)
     decode_batch_sizes: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None
     trace: list[list[torch.Tensor]] | None = None
@@ -66,7 +52,7 @@ class Sequence:
     budget_tokens: int | None
     chunk: int
     device: torch.device
-    slot: int = -1
+    lane: int = -1  # where in the batch it decodes
     position: int = 0
     forwards: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -81,8 +67,7 @@ class Sequence:
     ttft_s: float = 0.0
     peak_prefill: tuple[int, str] = (0, "")
     stop_reason: str | None = None
-    cache: Any = None
-    generation: Generation | None = None
+    cache: KVCache | None = None  # the cache its lane is in, while it is live
     sampler: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -96,10 +81,12 @@ def reference_length(stage: str, context: int, suffix: int, max_new_tokens: int)
 
 
 def finished_generation(
-    seq: Sequence, tokenizer: Any, stage: str, windows: list[int | None], batch_size: int, peak: int, peak_kind: str
+    seq: Sequence, tokenizer: Any, stage: str, windows: list[int | None], batch_size: int, peak: tuple[int, str]
 ) -> Generation:
-    """The sequence's ``Generation``, read from its slot before the slot is handed on."""
-    summary = seq.cache.summary(seq.slot)
+    """The sequence's ``Generation``, read from its lane before the lane is handed on; ``peak``: the device's
+    peak memory and what it measures."""
+    assert seq.cache is not None, "a sequence is finished while it is live"
+    summary = seq.cache.summary(seq.lane)
     n_layers = len(windows)
     request = seq.request
     context = len(request.input_ids)
@@ -114,30 +101,51 @@ def finished_generation(
     text = tokenizer.decode(seq.tokens, skip_special_tokens=True) if tokenizer is not None else ""
     if seq.stop_reason == "stop_string":
         text = cut_at_stop(text, request.settings.stop_strings)
-    return Generation(
-        tokens=seq.tokens,
-        text=text,
-        stop_reason=seq.stop_reason or "max_new_tokens",
-        prompt_tokens=context + len(request.suffix_ids),
+    prompt_tokens = context + len(request.suffix_ids)
+    measures = Measures(
         budget_tokens=seq.budget_tokens,
-        kept_tokens=kept,
-        seen_tokens=seen,
         budget_achieved=achieved,
         budget_achieved_per_layer=per_layer,
+        kept_tokens=kept,
+        seen_tokens=seen,
         kv_resident_bytes=summary.resident_bytes,
         kv_resident_peak_bytes=seq.resident_peak,
         **by_layer_kind(windows, per_layer, summary.resident_per_layer),
         kv_capacity_bytes=summary.capacity_bytes,
-        prefill_s=seq.prefill_s,
-        ttft_s=seq.ttft_s,
-        decode_latencies_s=seq.latencies,
         peak_memory_prefill_bytes=seq.peak_prefill[0],
-        peak_memory_bytes=peak,
-        peak_memory_kind=peak_kind,
+        peak_memory_bytes=peak[0],
+        peak_memory_kind=peak[1],
+        timings=timings(seq.prefill_s, seq.ttft_s, prompt_tokens, seq.latencies, seq.step_batches),
+        prompt_tokens=prompt_tokens,
+        new_tokens=len(seq.tokens),
+        stop_reason=seq.stop_reason or "max_new_tokens",
+    )
+    return Generation(
+        tokens=seq.tokens,
+        text=text,
+        measures=measures,
         batch_size=batch_size,
+        decode_latencies_s=seq.latencies,
         decode_batch_sizes=seq.step_batches,
         logits=torch.stack(seq.logits) if seq.logits else None,
         trace=seq.traces or None,
+    )
+
+
+def timings(prefill_s: float, ttft_s: float, prompt_tokens: int, steps_s: list[float], sizes: list[int]) -> Timings:
+    """The prefill, the decode steps' latency, and the batch the sequence shared them with."""
+    latency = latency_summary(steps_s)
+    total = sum(steps_s)
+    return Timings(
+        prefill_s=prefill_s,
+        ttft_s=ttft_s,
+        prefill_tokens_per_s=prompt_tokens / prefill_s if prefill_s > 0 else None,
+        decode_ms_mean=latency.mean_ms,
+        decode_ms_p50=latency.p50_ms,
+        decode_ms_p95=latency.p95_ms,
+        decode_tokens_per_s=latency.per_s,
+        batch_decode_tokens_per_s=sum(sizes) / total if total > 0 else None,
+        decode_batch_mean=sum(sizes) / len(sizes) if sizes else None,
     )
 
 

@@ -21,10 +21,9 @@ import inspect
 from typing import Any, TypeVar
 
 from kvbench.policies.base import Policy
+from kvbench.policies.full import never_evicting
 from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
 from kvbench.policies.quantize import build_quantizer
-from kvbench.policies.scopes.everything import All
-from kvbench.policies.scores.recency import Recency
 from kvbench.policies.scores.shared import SharedAcrossHeads
 from kvbench.policies.statistics import STATISTICS
 from kvbench.registry import Registry
@@ -71,15 +70,7 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     sliding = cfg.get("sliding_layers") or "window"
     score_spec = cfg.get("score", "none")
     if score_spec in (None, "none"):
-        return Policy(
-            name=name,
-            score=Recency(),
-            scope=All(),
-            evicts=False,
-            quantize=quantize,
-            positions=positions,
-            sliding_layers=sliding,
-        )
+        return never_evicting(name, quantize, positions, sliding_layers=sliding)
     options = _options(score_spec)
     shared = _flag(options.pop("shared", False), "score.shared")
     score = _part(SCORES, options)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-PHASES = ("prefill", "decode")
+from kvbench.stages import Phase
 
 
 class Stats(dict):
@@ -75,8 +75,8 @@ class TokenState:
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
-        if phase not in PHASES:
-            raise ValueError(f"phase {phase!r} must be one of {PHASES}")
+        if phase not in tuple(Phase):
+            raise ValueError(f"phase {phase!r} must be one of {[p.value for p in Phase]}")
         self._kv = None if keys is None or values is None else (keys, values)
         self._load_kv = load_kv
         self.positions = positions

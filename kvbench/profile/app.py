@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.budget import BudgetError, parse_budget
@@ -24,9 +23,11 @@ from kvbench.config import ConfigError
 from kvbench.config.read import typed
 from kvbench.config.schema import ModelConfig, PolicyConfig
 from kvbench.config.validate import check_model, check_task, plain
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.families import layer_windows, policy_problem
 from kvbench.models import load_config, load_model
 from kvbench.policies.base import Policy
+from kvbench.policies.full import never_evicting
 from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy
 from kvbench.profile.collect import record
@@ -80,10 +81,9 @@ def check(
 
 def continuation(model: Any, context: list[int], suffix: list[int], max_new: int) -> list[int]:
     """The task's suffix, then the full cache's greedy continuation (stopping at end of sequence)."""
-    ids = torch.tensor([context + suffix], device=next(model.parameters()).device)
-    with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=max_new, do_sample=False)
-    return suffix + out[0, ids.shape[1] :].tolist()
+    request = Request(context + suffix, settings=DecodeSettings(max_new_tokens=max_new))
+    (generation,) = Engine(model, None, EngineSettings(never_evicting())).run([request])
+    return suffix + generation.tokens
 
 
 def profile_task(cfg: dict[str, Any]) -> dict[str, Any]:

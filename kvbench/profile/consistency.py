@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.budget import budget_tokens
 from kvbench.engine.score_inputs import per_head
-from kvbench.engine.sequence import resolve_budget
 from kvbench.policies.base import Policy
 from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy
@@ -47,7 +47,7 @@ def layer_budgets(
 ) -> Budgets:
     """Each policy's split of each budget over the full-attention layers (a sliding layer gets the plain
     budget: the recall there is reported but not part of the averages)."""
-    tokens = [resolve_budget(b, prompt) for b in asked]
+    tokens = [budget_tokens(b, prompt) for b in asked]
     full = [i for i, w in enumerate(windows) if w is None] or list(range(len(windows)))
     per_layer: dict[str, list[list[int]]] = {}
     for name, policy in policies.items():

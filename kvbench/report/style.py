@@ -16,6 +16,7 @@ from typing import Any
 from kvbench.metrics.registry import metric_info
 from kvbench.policies.parts import SCORES
 from kvbench.report.labels import base_name
+from kvbench.stages import Stage
 
 BASELINE = "full"
 EMPHASISED = "roco"
@@ -41,7 +42,7 @@ PAPER_RC: Any = {  # matplotlib rc names (its stubs type the keys as a Literal u
     "ps.fonttype": 42,
 }
 
-STAGE_ORDER = ("prefill", "decode", "both")
+STAGE_ORDER = tuple(s.value for s in Stage)
 
 
 @dataclass(frozen=True)

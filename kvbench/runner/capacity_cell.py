@@ -8,7 +8,7 @@ from typing import Any
 
 from kvbench.capacity import capacity_rows
 from kvbench.config import RunSpec
-from kvbench.engine.generate import Request
+from kvbench.engine.engine import Request
 from kvbench.results.provenance import provenance
 from kvbench.results.schema import (
     CAPACITY_BATCH,

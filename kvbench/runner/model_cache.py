@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.models import LoadedModel, load_model
-from kvbench.policies.registry import build_policy
+from kvbench.policies.full import never_evicting
 
 _MODELS: dict[tuple, LoadedModel] = {}
 
@@ -33,7 +33,5 @@ def get_model(model_cfg: dict[str, Any]) -> LoadedModel:
 
 def warm_up(lm: LoadedModel) -> None:
     """One short generation so the first timed example pays no one-off start-up costs."""
-    ids = list(range(10, 42))
-    generate(
-        lm.model, lm.tokenizer, ids, build_policy({"name": "full"}), 1.0, "prefill", DecodeSettings(max_new_tokens=4)
-    )
+    request = Request(list(range(10, 42)), settings=DecodeSettings(max_new_tokens=4))
+    Engine(lm.model, lm.tokenizer, EngineSettings(never_evicting())).run([request])

@@ -14,13 +14,13 @@ shared by every policy and budget; ``fidelity_top1`` / ``fidelity_kl`` compare t
 from __future__ import annotations
 
 from kvbench.config import RunSpec
-from kvbench.engine.generate import DecodeSettings
+from kvbench.engine.engine import DecodeSettings
 from kvbench.models import LoadedModel
 from kvbench.results.schema import Outcome
 from kvbench.runner.fidelity.metrics import token_nll
 from kvbench.runner.fidelity.references import agreement, text_reference
 from kvbench.runner.fidelity.store import ReferenceStore
-from kvbench.runner.passes import measures, policy_pass
+from kvbench.runner.passes import outcome, policy_pass
 from kvbench.tasks.base import Example, RenderedPrompt, Task
 from kvbench.tasks.protocol import ScoredText
 
@@ -35,16 +35,8 @@ def score_text(
     targets = prompt.targets
     settings = DecodeSettings(max_new_tokens=len(targets), seed=spec.seed)
     ref, reference = text_reference(lm, spec, ex.id, prompt.input_ids, targets, settings, store)
-    g = policy_pass(lm, spec, prompt, settings, forced_tokens=targets, return_logits=True)
+    g = policy_pass(lm, spec, prompt, settings, targets)
     assert g.logits is not None and ref.nll is not None  # asked for, and a teacher-forced reference has them
     metrics = task.score_nll(token_nll(g.logits, targets).tolist(), ref.nll)
     metrics.update(agreement(ref, g.logits, ref.argmax))
-    return Outcome(
-        primary_metric=task.primary_metric,
-        score=metrics.get(task.primary_metric),
-        metrics=metrics,
-        measures=measures(g),
-        truncated=prompt.truncated,
-        fidelity_reference=reference,
-        scored_tokens=len(targets),
-    )
+    return outcome(task, metrics, g, prompt, fidelity_reference=reference, scored_tokens=len(targets))

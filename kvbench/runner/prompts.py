@@ -4,9 +4,9 @@ when the budget cannot protect what the policy always keeps."""
 
 from __future__ import annotations
 
-from kvbench.budget import too_small
+from kvbench.budget import budget_tokens, too_small
 from kvbench.config import ConfigError, RunSpec
-from kvbench.engine.generate import reference_length, resolve_budget
+from kvbench.engine.sequence import reference_length
 from kvbench.families import policy_problem
 from kvbench.models import load_config, load_tokenizer
 from kvbench.tasks.base import Example, RenderedPrompt, Task, TaskError
@@ -44,7 +44,7 @@ def render_all(task: Task, examples: list[Example], spec: RunSpec) -> dict[str, 
             )
         if spec.policy.evicts:
             reference = reference_length(spec.stage, len(prompt.input_ids), len(prompt.suffix_ids), new_tokens)
-            problem = too_small(resolve_budget(spec.budget, reference), spec.policy)
+            problem = too_small(budget_tokens(spec.budget, reference), spec.policy)
             if problem:
                 raise ConfigError(f"example {ex.id}: budget={spec.budget} of its {reference} tokens: {problem}")
         rendered[ex.id] = prompt

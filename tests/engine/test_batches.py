@@ -16,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CONFIG_DIR, tiny_policy_cfg
+from engine_run import generate, generate_batch
 from family_models import FAMILIES, SLIDING, build
 from omegaconf import OmegaConf
 
-from kvbench.engine.generate import DecodeSettings, Generation, Request, generate, generate_batch
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Generation, Request
 from kvbench.policies.registry import build_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,9 +67,9 @@ def assert_within_budget(g: Generation, heads: int, per_head: bool, stage: str, 
     for step in steps:
         counts = [[len(set(h.tolist())) for h in held] for held in step]
         if per_head:
-            assert all(sum(c) <= heads * g.budget_tokens for c in counts), where
+            assert all(sum(c) <= heads * g.measures.budget_tokens for c in counts), where
         else:
-            assert sum(max(c) for c in counts) <= len(step) * g.budget_tokens, where
+            assert sum(max(c) for c in counts) <= len(step) * g.measures.budget_tokens, where
 
 
 def check_batch(
@@ -115,7 +116,7 @@ def test_every_named_policy_in_every_stage_batched_equals_alone(tiny, name):
     for stage in [s for s in ("prefill", "decode", "both") if s not in policy.unsupported_stages]:
         out = check_batch(tiny.model, reqs, policy, 0.4, stage, batch_size=3, stride=8, heads=2)
         if policy.evicts:  # the budget bit: something was evicted
-            assert any(g.budget_achieved < 0.99 for g in out), (name, stage)
+            assert any(g.measures.budget_achieved < 0.99 for g in out), (name, stage)
         sizes = [s for g in out for s in g.decode_batch_sizes]
         assert max(sizes) == 3 and min(sizes) < 3  # full while the queue lasts, then shrinking
 
@@ -138,7 +139,7 @@ def test_sequences_stopping_at_eos_leave_and_are_replaced(tiny, monkeypatch):
     first = generate(tiny.model, None, reqs[0].input_ids, named("h2o"), 0.4, "both", reqs[0].settings)
     monkeypatch.setattr(tiny.model.generation_config, "eos_token_id", first.tokens[3])
     out = check_batch(tiny.model, reqs, named("h2o"), 0.4, "both", batch_size=2, stride=8)
-    assert out[0].stop_reason == "eos" and len(out[0].tokens) == 4
+    assert out[0].measures.stop_reason == "eos" and len(out[0].tokens) == 4
 
 
 def test_sampling_is_each_sequences_own(tiny):
@@ -213,3 +214,42 @@ def test_sequences_of_one_length_are_scored_as_one_group_as_alone(tiny, name):
     policy = named(name)
     stage = "prefill" if "decode" in policy.unsupported_stages else "both"
     check_batch(tiny.model, requests(lengths=(36,) * 4, news=(10,) * 4, ids_seed=9), policy, 0.4, stage, 4, 8, heads=2)
+
+
+def test_a_request_that_cannot_run_fails_alone(tiny, random_ids):
+    """An empty prompt is refused with its own error; the engine runs the others, and ``run`` raises it."""
+    reqs = [Request([]), Request(random_ids(12, seed=3), settings=DecodeSettings(max_new_tokens=2))]
+    for batch_size in (1, 2):
+        engine = Engine(tiny.model, None, EngineSettings(named("window"), 0.5, "both", batch_size))
+        finished = [item for unit in engine.steps(reqs) for item in unit]
+        assert [i for i, _ in finished] == [0, 1]
+        assert isinstance(finished[0][1], ValueError) and "empty" in str(finished[0][1])
+        assert len(finished[1][1].tokens) == 2
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            engine.run(reqs)
+        only_bad = list(
+            Engine(tiny.model, None, EngineSettings(named("window"), 0.5, "both", batch_size)).steps(reqs[:1])
+        )
+        assert [i for unit in only_bad for i, _ in unit] == [0]
+
+
+def test_a_failing_unit_of_work_ends_only_the_requests_it_held(tiny, random_ids, monkeypatch):
+    """A decode step that fails finishes its batch's live requests with the error; the queue goes on."""
+    from kvbench.engine.batch import BatchLoop
+
+    reqs = [Request(random_ids(12, seed=s), settings=DecodeSettings(max_new_tokens=3)) for s in range(4)]
+    real, calls = BatchLoop._decode_step, []
+
+    def fails_once(loop):
+        calls.append(len(loop.live))
+        if len(calls) == 1:
+            raise RuntimeError("synthetic step failure")
+        return real(loop)
+
+    monkeypatch.setattr(BatchLoop, "_decode_step", fails_once)
+    engine = Engine(tiny.model, None, EngineSettings(named("h2o"), 0.5, "both", 2))
+    results = dict(item for unit in engine.steps(reqs) for item in unit)
+    assert calls[0] == 2 and sorted(results) == [0, 1, 2, 3]
+    assert all(isinstance(results[i], RuntimeError) for i in (0, 1))
+    alone = generate_batch(tiny.model, None, reqs[2:], named("h2o"), 0.5, "both", 2)
+    assert [results[i].tokens for i in (2, 3)] == [g.tokens for g in alone]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_run import generate
 
-from kvbench.engine.generate import DecodeSettings, generate, generation, resolve_budget
+from kvbench.budget import budget_tokens as resolve_budget
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.engine.plan import plan_capacity
 from kvbench.policies.registry import build_policy
 
@@ -135,7 +137,7 @@ def test_cache_never_exceeds_budget(tiny, random_ids, name, stage):
         stride=10,
         trace=True,
     )
-    budget = g.budget_tokens
+    budget = g.measures.budget_tokens
     prefill_steps = 5  # 50 tokens in chunks of 10
     for step, layers in enumerate(g.trace):
         evicting = (step < prefill_steps and stage != "decode") or (step >= prefill_steps and stage != "prefill")
@@ -191,7 +193,7 @@ def test_kept_keys_keep_their_rotation(tiny, random_ids):
         g = generate(
             tiny.model, None, ids, build_policy(POLICIES["streamingllm"]), 12, "both", DecodeSettings(max_new_tokens=8)
         )
-        evicting = captured["cache"].layers[0].state()
+        evicting = captured["cache"].layer_state(0)
         generate(
             tiny.model,
             None,
@@ -202,7 +204,7 @@ def test_kept_keys_keep_their_rotation(tiny, random_ids):
             DecodeSettings(max_new_tokens=8),
             forced_tokens=g.tokens,
         )
-        full = captured["cache"].layers[0].state()
+        full = captured["cache"].layer_state(0)
     finally:
         KVCache.summary = original
     positions = evicting.positions
@@ -244,13 +246,13 @@ def test_achieved_budget_and_resident_bytes(tiny, random_ids):
     g = generate(
         tiny.model, None, ids, build_policy(POLICIES["window"]), 0.25, "prefill", DecodeSettings(max_new_tokens=5)
     )
-    assert g.budget_tokens == 25 and g.budget_achieved == pytest.approx(0.25)
+    assert g.measures.budget_tokens == 25 and g.measures.budget_achieved == pytest.approx(0.25)
     per_token = 2 * 2 * 16 * 4  # kv heads × (K + V) × head_dim × float32 bytes, per layer
-    assert g.kv_resident_bytes == 4 * (25 + 4) * per_token  # 4 fed decode tokens appended after prefill
+    assert g.measures.kv_resident_bytes == 4 * (25 + 4) * per_token  # 4 fed decode tokens appended after prefill
     full = generate(
         tiny.model, None, ids, build_policy(POLICIES["full"]), 1.0, "prefill", DecodeSettings(max_new_tokens=5)
     )
-    assert full.kv_resident_bytes == 4 * 104 * per_token > g.kv_resident_bytes
+    assert full.measures.kv_resident_bytes == 4 * 104 * per_token > g.measures.kv_resident_bytes
 
 
 def test_suffix_is_appended_after_compression(tiny, random_ids):
@@ -331,7 +333,7 @@ def test_fused_forward_refuses_other_architectures():
 
 
 def test_interleaved_generations_equal_each_run_alone(tiny, random_ids):
-    """``generation`` pauses after the prompt and each decode step; stepping several runs in turn (as the
+    """``Engine.steps`` pauses after the prompt and each decode step; stepping several runs in turn (as the
     benchmark does) must give each run exactly what it gives alone: no state is shared between runs."""
     ids = random_ids(40, seed=23)
     h2o = {"name": "h2o", "score": "accumulated", "scope": {"kind": "sinks_window", "n_sink": 2, "window": 0.5}}
@@ -344,18 +346,18 @@ def test_interleaved_generations_equal_each_run_alone(tiny, random_ids):
     runs = [(h2o, "both"), (ada, "both"), (POLICIES["random"], "decode")]
     settings = DecodeSettings(max_new_tokens=6)
 
-    def start(cfg, stage, steps=generation):
-        return steps(tiny.model, None, ids, build_policy(cfg), 0.4, stage, settings, stride=16, return_logits=True)
+    request = Request(ids, settings=settings)
 
-    alone = [start(cfg, stage, generate) for cfg, stage in runs]
-    live, done = [start(cfg, stage) for cfg, stage in runs], {}
+    def engine(cfg, stage):
+        return Engine(tiny.model, None, EngineSettings(build_policy(cfg), 0.4, stage, stride=16, return_logits=True))
+
+    alone = [engine(cfg, stage).run([request])[0] for cfg, stage in runs]
+    live, done = [engine(cfg, stage).steps([request]) for cfg, stage in runs], {}
     while len(done) < len(live):
-        for i, g in enumerate(live):
+        for i, steps in enumerate(live):
             if i not in done:
-                try:
-                    next(g)
-                except StopIteration as stop:
-                    done[i] = stop.value
+                for _, g in next(steps):
+                    done[i] = g
     for i, ref in enumerate(alone):
         assert done[i].tokens == ref.tokens
         torch.testing.assert_close(done[i].logits, ref.logits, rtol=0, atol=0)
@@ -365,7 +367,7 @@ def test_the_fused_forward_is_the_default_on_cpu_only():
     """Off an accelerator's device by default (its fused copies would double the weights there); asked for, built."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.engine.batch import fused_forward_for
+    from kvbench.engine.fused_llama import fused_forward_for
 
     config = LlamaConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64

@@ -12,6 +12,7 @@ import torch
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.cache.query_log import QueryLog
 from kvbench.engine.plan import LayerPlan
+from kvbench.engine.step import Phase, Step
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy
 from kvbench.policies.scopes.everything import All
@@ -38,8 +39,12 @@ def test_running_sum_follows_entries_through_evictions(kernel, allocation, chunk
     refs = [defaultdict(list) for _ in range(HEADS)]  # per head: position -> [(query position, value)]
     fed = 0
     for q in chunks:  # a prompt of two chunks (the second evicts), then decode steps that each evict
-        cache.begin_step(0, 1, [list(range(fed, fed + q))], evicting=True, phase="prefill" if q > 1 else "decode")
-        keys, _ = cache.write(0, torch.randn(1, HEADS, q, DIM, generator=g), torch.randn(1, HEADS, q, DIM, generator=g))
+        phase = Phase.prefill if q > 1 else Phase.decode
+        step = Step(range(1), [list(range(fed, fed + q))], phase, evicts=True, collects=True)
+        cache.begin(step)
+        keys, _ = cache.update(
+            torch.randn(1, HEADS, q, DIM, generator=g), torch.randn(1, HEADS, q, DIM, generator=g), 0
+        )
         n = keys.shape[2]
         visible = torch.ones(HEADS, n, dtype=torch.bool)
         if layer.visible is not None:
@@ -53,15 +58,15 @@ def test_running_sum_follows_entries_through_evictions(kernel, allocation, chunk
             for h in range(HEADS):
                 for j in visible[h].nonzero().flatten().tolist():
                     refs[h][int(layer.key_positions[h, j])].append((fed + q - r + i, float(rows[h, i, j])))
-        cache.after_attention(0, q, {"qlog": rows, "qlog_nvis": torch.full((HEADS, r), float(n))})
-        cache.end_step()
+        layer.record({"qlog": rows, "qlog_nvis": torch.full((HEADS, r), float(n))})
+        cache.finish(step)
         fed += q
-        state = layer.state()
+        state = cache.layer_state(0)
         for h, held in enumerate(state.lengths().tolist()):
             expected = reference_sums(refs[h], fed, state.positions[h, :held].tolist())
             torch.testing.assert_close(state.derived("qlog_sum", None)[h, :held], torch.tensor(expected))
         torch.testing.assert_close(state.stats["qlog"].sum(dim=1), state.derived("qlog_sum", None))
-    lengths = layer.state().lengths().tolist()
+    lengths = cache.layer_state(0).lengths().tolist()
     assert sum(lengths) == HEADS * BUDGET and fed > 2 * BUDGET  # entries were evicted all along
 
 

@@ -11,10 +11,11 @@ import glob
 import pytest
 import torch
 from conftest import CONFIG_DIR
+from engine_run import generate
 from family_models import FAMILIES, REFUSED, SLIDING, WINDOW, build, eager_replay, family_config, family_greedy
 from omegaconf import OmegaConf
 
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.engine import DecodeSettings
 from kvbench.families import layer_windows, support_error
 from kvbench.policies.registry import build_policy
 
@@ -128,7 +129,7 @@ def test_sliding_layers_never_hold_more_than_their_window(family, prompt):
                 for window, held in zip(windows, layers):
                     if window is not None:
                         assert held.shape[-1] <= window - 1, (family, policy["name"], stage)
-            assert g.kv_resident_bytes_sliding is not None
+            assert g.measures.kv_resident_bytes_sliding is not None
 
 
 def test_budget_applies_to_full_attention_layers_of_a_hybrid_model(prompt):
@@ -152,12 +153,12 @@ def test_budget_applies_to_full_attention_layers_of_a_hybrid_model(prompt):
         # What the sliding layers keep is what their next query can still see: the budget is not spent outside.
         assert all(bool((layer > PROMPT + NEW - 1 - WINDOW).all()) for layer in sliding)
         row_bytes = 2 * 16 * 4  # K and V of one head, float32
-        assert g.kv_resident_bytes_full == 3 * row_bytes
-        assert g.kv_resident_bytes_sliding == 2 * sliding_held * row_bytes
-        assert g.kv_resident_bytes == g.kv_resident_bytes_full + g.kv_resident_bytes_sliding
+        assert g.measures.kv_resident_bytes_full == 3 * row_bytes
+        assert g.measures.kv_resident_bytes_sliding == 2 * sliding_held * row_bytes
+        assert g.measures.kv_resident_bytes == g.measures.kv_resident_bytes_full + g.measures.kv_resident_bytes_sliding
         seen = PROMPT + NEW - 1
-        assert g.budget_achieved_full == pytest.approx(3 / seen)
-        assert g.budget_achieved_sliding == pytest.approx(sliding_held / seen)
+        assert g.measures.budget_achieved_full == pytest.approx(3 / seen)
+        assert g.measures.budget_achieved_sliding == pytest.approx(sliding_held / seen)
 
 
 def test_an_all_sliding_model_holds_the_budget_or_its_window(prompt):
@@ -174,7 +175,7 @@ def test_an_all_sliding_model_holds_the_budget_or_its_window(prompt):
             trace=True,
         )
         assert all(layer.shape[-1] == held for layer in g.trace[-1])
-        assert g.kv_resident_bytes_full is None
+        assert g.measures.kv_resident_bytes_full is None
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

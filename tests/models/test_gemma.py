@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 from conftest import CONFIG_DIR, SHARED_DATA
+from engine_run import generate
 from omegaconf import OmegaConf
 
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.engine import DecodeSettings
 from kvbench.families import layer_windows
 from kvbench.policies.registry import build_policy
 
@@ -59,8 +60,8 @@ def test_full_cache_gives_generates_greedy_text_on_real_prompts(gemma):
         assert g.tokens == expected[: len(g.tokens)]
         assert g.text == gemma.tokenizer.decode(expected[: len(g.tokens)], skip_special_tokens=True)
         # The sliding layers held their window, the global ones everything.
-        assert g.kv_resident_bytes_sliding == 15 * 511 * 256 * 2 * 4
-        assert g.kv_resident_bytes_full == 3 * (len(ids) + len(g.tokens) - 1) * 256 * 2 * 4
+        assert g.measures.kv_resident_bytes_sliding == 15 * 511 * 256 * 2 * 4
+        assert g.measures.kv_resident_bytes_full == 3 * (len(ids) + len(g.tokens) - 1) * 256 * 2 * 4
 
 
 def test_policies_at_a_budget_of_the_length_equal_generate(gemma):
@@ -109,4 +110,4 @@ def test_every_named_policy_runs_in_every_stage_and_sliding_layers_hold_at_most_
                             assert held.shape[-1] <= window - 1, (name, extra, stage)
                 if policy.evicts and stage != "decode":  # the global layers hold the budget (on average: pyramid)
                     full_layers = [held.shape[-1] for window, held in zip(windows, g.trace[-1]) if window is None]
-                    assert sum(full_layers) / len(full_layers) <= g.budget_tokens + 4, (name, stage)
+                    assert sum(full_layers) / len(full_layers) <= g.measures.budget_tokens + 4, (name, stage)

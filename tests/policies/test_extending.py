@@ -22,13 +22,14 @@ import pandas as pd
 import pytest
 import torch
 from conftest import REPO
+from engine_run import generate
 from guide_runs import run_guide_line
 from omegaconf import OmegaConf
 from test_score_view import numpy_keydiff, padded_view
 
 from kvbench.engine import blocked
 from kvbench.engine.attention import decode_attention
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.base import Policy, Score
 from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy

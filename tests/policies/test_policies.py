@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import CONFIG_DIR, tiny_policy_cfg
+from engine_run import generate
 from omegaconf import OmegaConf
 
 from kvbench.engine import attention as attention_module
 from kvbench.engine.cache.cache import KVCache
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.engine import DecodeSettings
 from kvbench.engine.plan import LayerPlan
+from kvbench.engine.step import Phase, Step
 from kvbench.policies.derived import attention_variance, mean_attention
 from kvbench.policies.quantize import Int8
 from kvbench.policies.registry import build_policy
@@ -122,7 +124,7 @@ def test_named_policy_equals_masked_replay_and_keeps_its_promises(tiny, random_i
     if policy.evicts:
         torch.testing.assert_close(g.logits, r.logits, rtol=1e-4, atol=1e-4)
     limit = PROMPT if stage == "prefill" else PROMPT + NEW
-    budgets = policy.layer_budgets(g.budget_tokens, 4, limit) if policy.evicts else [None] * 4
+    budgets = policy.layer_budgets(g.measures.budget_tokens, 4, limit) if policy.evicts else [None] * 4
     prefill_steps = PROMPT // STRIDE
     for step, layers in enumerate(g.trace):
         fed = STRIDE * (step + 1) if step < prefill_steps else PROMPT + step - prefill_steps + 1
@@ -236,7 +238,7 @@ def test_mean_and_std_match_eager_attention(tiny, random_ids, monkeypatch):
         for j in range(n):
             column = grouped[:, j:, j]  # queries i >= j saw key j
             mean_ref[:, j], std_ref[:, j] = column.mean(axis=1), column.std(axis=1)
-        state = layer.state()
+        state = spy.cache.layer_state(layer.layer_idx)
         mean, std = mean_attention(state), attention_variance(state).clamp_min(0.0).sqrt()
         assert state.positions[0].tolist() == list(range(n))
         np.testing.assert_allclose(mean.numpy(), mean_ref, rtol=1e-4, atol=1e-6)
@@ -267,7 +269,7 @@ def test_hit_counts_match_eager_attention(tiny, random_ids, monkeypatch):
         rows = att[0].double().numpy().reshape(2, 2, n, n).mean(axis=1)[:, n - history :]  # [kv, history, n]
         seen = np.arange(n - history, n) + 1  # keys each logged query saw
         expected = ((rows >= 1.0 / seen[None, :, None]) & (rows > 0)).sum(axis=1)
-        state = layer.state()
+        state = spy.cache.layer_state(layer.layer_idx)
         assert layer.policy.score(state).tolist() == expected.tolist()
 
 
@@ -306,7 +308,7 @@ def test_write_time_features_follow_their_entries(tiny, random_ids, monkeypatch,
         stride=8,
     )
     for layer in spy.cache.layers:
-        state = layer.state()
+        state = spy.cache.layer_state(layer.layer_idx)
         valid = state.valid_mask()
         if "value_norm" in state.stats:
             p = build_policy(cfg).score.p
@@ -338,16 +340,16 @@ def test_adakv_stores_only_kept_entries(tiny, random_ids, monkeypatch):
     spy = Spy(monkeypatch)
     ids = random_ids(64, seed=14)
     ada = generate(tiny.model, None, ids, named("adakv"), 0.25, "prefill", DecodeSettings(max_new_tokens=1))
-    lengths = [layer.state().lengths().tolist() for layer in spy.cache.layers]
+    lengths = [spy.cache.layer_state(layer).lengths().tolist() for layer in range(len(spy.cache.layers))]
     assert any(len(set(h)) > 1 for h in lengths), "per-head budgets should differ somewhere"
-    assert all(sum(h) == 2 * ada.budget_tokens for h in lengths)  # layer total = heads × budget
+    assert all(sum(h) == 2 * ada.measures.budget_tokens for h in lengths)  # layer total = heads × budget
     per_entry = 2 * 16 * 4  # K + V, head_dim 16, float32
-    assert ada.kv_resident_bytes == sum(sum(h) for h in lengths) * per_entry
+    assert ada.measures.kv_resident_bytes == sum(sum(h) for h in lengths) * per_entry
     uniform = generate(tiny.model, None, ids, named("snapkv"), 0.25, "prefill", DecodeSettings(max_new_tokens=1))
     full = generate(tiny.model, None, ids, named("full"), 1.0, "prefill", DecodeSettings(max_new_tokens=1))
-    assert ada.kv_resident_bytes == uniform.kv_resident_bytes < full.kv_resident_bytes
+    assert ada.measures.kv_resident_bytes == uniform.measures.kv_resident_bytes < full.measures.kv_resident_bytes
     # Rows are allocated for the most one head may come to hold (its layer's total): more than uniform's.
-    assert uniform.kv_capacity_bytes < ada.kv_capacity_bytes <= full.kv_capacity_bytes
+    assert uniform.measures.kv_capacity_bytes < ada.measures.kv_capacity_bytes <= full.measures.kv_capacity_bytes
 
 
 @pytest.mark.parametrize("stage", ["prefill", "both"])
@@ -357,7 +359,7 @@ def test_adakv_with_a_full_floor_is_snapkv(tiny, random_ids, monkeypatch, stage)
     spy = Spy(monkeypatch)
     ids = random_ids(44, seed=19)
     ada = run(tiny, ids, named("adakv", allocation={"floor": 1.0}), 0.3, stage, trace=True)
-    state = spy.cache.layers[1].state()
+    state = spy.cache.layer_state(1)
     torch.testing.assert_close(state.derived("qlog_sum", lambda s: None), state.stats["qlog"].sum(dim=1))
     snap = run(tiny, ids, named("snapkv"), 0.3, stage, trace=True)
     assert ada.tokens == snap.tokens
@@ -371,15 +373,15 @@ def test_adakv_decode_steps_never_see_freed_slots(tiny, random_ids, monkeypatch)
     """Heads drop unevenly, so decode steps attend rows with free slots in them: no head may see them (their
     K/V are evicted entries). Masked replay of the kept sets over a full cache must give the same logits."""
     holes = []
-    write = KVCache.write
+    update = KVCache.update
 
-    def record(cache, l, key_states, value_states):
-        out = write(cache, l, key_states, value_states)
+    def record(cache, key_states, value_states, layer, *args, **kwargs):
+        out = update(cache, key_states, value_states, layer, *args, **kwargs)
         if key_states.shape[2] == 1:
-            holes.append(cache.layers[l].visible is not None)
+            holes.append(cache.layers[layer].visible is not None)
         return out
 
-    monkeypatch.setattr(KVCache, "write", record)
+    monkeypatch.setattr(KVCache, "update", record)
     ids = random_ids(PROMPT, seed=22)
     g = generate(
         tiny.model,
@@ -421,17 +423,17 @@ def test_statistics_are_collected_only_while_a_later_step_evicts(tiny, random_id
         def counted(*args, _original=original, **kwargs):
             out = _original(*args, **kwargs)
             stats = out[1] if isinstance(out, tuple) else out
-            calls[current["cache"].phase] += bool(stats)
+            calls[current["step"].phase] += bool(stats)
             return out
 
         monkeypatch.setattr(attention_module, fn, counted)
-    begin = KVCache.begin_step
+    begin = KVCache.begin
 
-    def spy_begin(cache, *args, **kwargs):
-        current["cache"] = cache
-        return begin(cache, *args, **kwargs)
+    def spy_begin(cache, step):
+        current["step"] = step
+        return begin(cache, step)
 
-    monkeypatch.setattr(KVCache, "begin_step", spy_begin)
+    monkeypatch.setattr(KVCache, "begin", spy_begin)
     for name in ("h2o", "adakv"):
         calls.update(prefill=0, decode=0)
         run(tiny, random_ids(PROMPT, seed=22), named(name), 0.3, stage)
@@ -454,7 +456,7 @@ def test_adaptive_allocation_in_decode_holds_the_layer_total(tiny, random_ids):
     for layers in g.trace[40 // STRIDE :]:  # decode steps
         for held in layers:
             heads = [set(h.tolist()) for h in held]
-            assert sum(len(h) for h in heads) <= 2 * g.budget_tokens and all({0, 1} <= h for h in heads)
+            assert sum(len(h) for h in heads) <= 2 * g.measures.budget_tokens and all({0, 1} <= h for h in heads)
 
 
 # ------------------------------------------------------------------ quantised KV
@@ -470,12 +472,16 @@ def test_quantised_cache_bytes_and_values(tiny, random_ids, monkeypatch, kind, n
         tiny.model, None, ids, named("full"), 1.0, stage, DecodeSettings(max_new_tokens=6), forced_tokens=q.tokens
     )
     fcache = spy.cache
-    held = sum(sum(layer.state().lengths().tolist()) for layer in qcache.layers)  # entries (token × KV head)
-    assert q.kv_resident_bytes == held * 2 * (16 * 1 + 4)  # K and V: 16 one-byte codes + a float32 scale
-    assert q.kv_resident_bytes <= full.kv_resident_bytes * (16 + 4) / 64  # float32 entries take 64 bytes
+    held = sum(
+        sum(qcache.layer_state(layer).lengths().tolist()) for layer in range(len(qcache.layers))
+    )  # entries (token × KV head)
+    assert q.measures.kv_resident_bytes == held * 2 * (16 * 1 + 4)  # K and V: 16 one-byte codes + a float32 scale
+    assert (
+        q.measures.kv_resident_bytes <= full.measures.kv_resident_bytes * (16 + 4) / 64
+    )  # float32 entries take 64 bytes
     # Layer 0's keys depend only on token and position: the stored codes dequantise to the full cache's
     # keys at the kept positions, within the quantiser's bound.
-    state, ref = qcache.layers[0].state(), fcache.layers[0].state()
+    state, ref = qcache.layer_state(0), fcache.layer_state(0)
     keys, values, pos = state.keys, state.values, state.positions
     exact_k = ref.keys.gather(1, pos.unsqueeze(-1).expand(-1, -1, 16))
     exact_v = ref.values.gather(1, pos.unsqueeze(-1).expand(-1, -1, 16))
@@ -516,16 +522,17 @@ def test_merge_in_the_cache_is_the_attention_weighted_average():
     keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.9, 0.2], [0.1, 1.0]])
     values = torch.tensor([[1.0, 1.0], [2.0, 0.0], [3.0, 5.0], [0.0, 4.0]])
     acc = torch.tensor([0.5, 0.4, 0.1, 0.2])
-    cache.begin_step(0, 1, [[0, 1, 2, 3]], True)
-    cache.write(0, keys.view(1, 1, 4, 2), values.view(1, 1, 4, 2))
-    cache.after_attention(0, 4, {"acc": acc.view(1, 4)})
-    cache.end_step()
+    step = Step(range(1), [[0, 1, 2, 3]], Phase.prefill, evicts=True, collects=True)
+    cache.begin(step)
+    cache.update(keys.view(1, 1, 4, 2), values.view(1, 1, 4, 2), 0)
+    layer.record({"acc": acc.view(1, 4)})
+    cache.finish(step)
     # Kept: tokens 0 and 1 (highest acc). Token 2 is closest to key 0, token 3 to key 1.
     k0 = (0.5 * keys[0] + 0.1 * keys[2]) / 0.6
     k1 = (0.4 * keys[1] + 0.2 * keys[3]) / 0.6
     v0 = (0.5 * values[0] + 0.1 * values[2]) / 0.6
     v1 = (0.4 * values[1] + 0.2 * values[3]) / 0.6
-    state = layer.state()
+    state = cache.layer_state(0)
     assert state.positions[0].tolist() == [0, 1]
     torch.testing.assert_close(state.keys[0], torch.stack([k0, k1]))
     torch.testing.assert_close(state.values[0], torch.stack([v0, v1]))
@@ -533,15 +540,16 @@ def test_merge_in_the_cache_is_the_attention_weighted_average():
     # Second step: a new token (acc 1.0, key along token 0) evicts token 1; token 1's weight is its acc
     # (0.4 + 0.05 this step) plus the 0.2 it absorbed. It takes the lowest free slot (2): its stats come there.
     new_k, new_v = torch.tensor([[0.0, 2.0]]), torch.tensor([[7.0, 7.0]])
-    cache.begin_step(0, 1, [[4]], True)
-    cache.write(0, new_k.view(1, 1, 1, 2), new_v.view(1, 1, 1, 2))
-    cache.after_attention(0, 1, {"acc": torch.tensor([[0.6, 0.05, 1.0]])})
-    cache.end_step()
+    step = Step(range(1), [[4]], Phase.prefill, evicts=True, collects=True)
+    cache.begin(step)
+    cache.update(new_k.view(1, 1, 1, 2), new_v.view(1, 1, 1, 2), 0)
+    layer.record({"acc": torch.tensor([[0.6, 0.05, 1.0]])})
+    cache.finish(step)
     # acc now: token0 1.1, token1 0.45, token4 1.0 -> keep 0 and 4; token 1 (key ~ [0.03, 1]) joins token 4.
     w1 = 0.45 + 0.2
     expected_k4 = (1.0 * new_k[0] + w1 * k1) / (1.0 + w1)
     expected_v4 = (1.0 * new_v[0] + w1 * v1) / (1.0 + w1)
-    state = layer.state()
+    state = cache.layer_state(0)
     assert state.positions[0].tolist() == [0, 4]
     torch.testing.assert_close(state.keys[0, 1], expected_k4)
     torch.testing.assert_close(state.values[0, 1], expected_v4)
@@ -557,7 +565,7 @@ def test_merging_runs_with_any_policy_within_budget(tiny, random_ids, name, stag
     assert (g.logits - plain.logits).abs().max() > 1e-4  # merged values change the output
     last_evicting = 40 // STRIDE - 1 if stage == "prefill" else -1
     for held in g.trace[last_evicting]:
-        assert sum(len(set(h.tolist())) for h in held) <= 2 * g.budget_tokens
+        assert sum(len(set(h.tolist())) for h in held) <= 2 * g.measures.budget_tokens
 
 
 # ------------------------------------------------------------------ positions: reindex
@@ -572,19 +580,19 @@ def test_reindex_feeds_contiguous_positions_and_rerotates_kept_keys(tiny, random
     def capture(module, query, key, value, attention_mask, **kwargs):
         if module.layer_idx == 0:
             seen["key"] = key.clone()
-            seen["positions"] = kwargs["kvbench_cache"].layers[0].key_positions[0].clone()
+            seen["positions"] = attention_module.attended_cache().layers[0].key_positions[0].clone()
         return attention_module.kvbench_attention(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(attention_module.ATTN_NAME, capture)
     fed = []
-    begin = KVCache.begin_step
+    begin = KVCache.begin
 
-    def spy_begin(cache, lo, hi, positions, evicting, *args, **kwargs):
-        out = begin(cache, lo, hi, positions, evicting, *args, **kwargs)
-        fed.append((positions[0], out[0].tolist()))
+    def spy_begin(cache, step):
+        out = begin(cache, step)
+        fed.append((step.positions[0], out[0].tolist()))
         return out
 
-    monkeypatch.setattr(KVCache, "begin_step", spy_begin)
+    monkeypatch.setattr(KVCache, "begin", spy_begin)
     spy = Spy(monkeypatch)
     try:
         ids = random_ids(30, seed=18)
@@ -616,7 +624,7 @@ def test_reindex_feeds_contiguous_positions_and_rerotates_kept_keys(tiny, random
     assert seen["positions"][in_order].tolist() == held
     torch.testing.assert_close(seen["key"][:, :, in_order], expected, rtol=1e-5, atol=1e-5)
     # The cache still records true positions (for scores and traces) and stores keys un-rotated.
-    state = spy.cache.layers[0].state()
+    state = spy.cache.layer_state(0)
     assert state.positions[0].tolist() == [0, 1, 2, 3, 29, 30, 31, 32, 33, 34]
     torch.testing.assert_close(state.keys, raw[0][:, [0, 1, 2, 3, 29, 30, 31, 32, 33, 34]], rtol=1e-5, atol=1e-5)
 

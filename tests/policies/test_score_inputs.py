@@ -9,9 +9,10 @@ from collections.abc import Mapping
 
 import pytest
 import torch
+from engine_run import generate, generate_batch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvbench.engine.generate import DecodeSettings, Request, generate, generate_batch
+from kvbench.engine.engine import DecodeSettings, Request
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy, Score
 from kvbench.policies.inputs import Queries
@@ -41,12 +42,14 @@ def record_the_models_queries(model) -> tuple[list[list], list]:
     projected: list[list] = [[] for _ in model.model.layers]
     rotations: list[list] = [[] for _ in model.model.layers]
     handles = []
-    for l, layer in enumerate(model.model.layers):
+    for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        handles.append(attn.q_proj.register_forward_hook(lambda m, i, out, l=l: projected[l].append(out.detach())))
+        handles.append(
+            attn.q_proj.register_forward_hook(lambda m, i, out, at=index: projected[at].append(out.detach()))
+        )
         handles.append(
             attn.register_forward_pre_hook(
-                lambda m, a, kw, l=l: rotations[l].append(kw["position_embeddings"]), with_kwargs=True
+                lambda m, a, kw, at=index: rotations[at].append(kw["position_embeddings"]), with_kwargs=True
             )
         )
     return [projected, rotations], handles

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_run import generate, generate_batch
 
-from kvbench.engine.generate import DecodeSettings, Request, generate, generate_batch
+from kvbench.engine.engine import DecodeSettings, Request
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy, Score
 from kvbench.policies.running import RowSum

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.plan import LayerPlan
+from kvbench.engine.step import Phase, Step
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy
 from kvbench.policies.scopes.everything import All
@@ -178,8 +179,12 @@ def test_prefix_pooling_through_chunks_and_decode_steps(per_head, pooling):
     layer = cache.layers[0]
     fed = 0
     for q in [7, 6] + [1] * 12:
-        cache.begin_step(0, 1, [list(range(fed, fed + q))], evicting=True, phase="prefill" if q > 1 else "decode")
-        keys, _ = cache.write(0, torch.randn(1, HEADS, q, DIM, generator=g), torch.randn(1, HEADS, q, DIM, generator=g))
+        phase = Phase.prefill if q > 1 else Phase.decode
+        step = Step(range(1), [list(range(fed, fed + q))], phase, evicts=True, collects=True)
+        cache.begin(step)
+        keys, _ = cache.update(
+            torch.randn(1, HEADS, q, DIM, generator=g), torch.randn(1, HEADS, q, DIM, generator=g), 0
+        )
         span, r = keys.shape[2], min(q, WINDOW)
         visible = torch.ones(HEADS, span, dtype=torch.bool)
         if layer.visible is not None:
@@ -188,10 +193,10 @@ def test_prefix_pooling_through_chunks_and_decode_steps(per_head, pooling):
         if q > 1:
             for i in range(r):  # causal within the chunk
                 rows[:, i, span - r + i + 1 :] = 0.0
-        cache.after_attention(0, q, {"qlog": rows, "qlog_nvis": torch.full((HEADS, r), float(span))})
-        cache.end_step()
+        layer.record({"qlog": rows, "qlog_nvis": torch.full((HEADS, r), float(span))})
+        cache.finish(step)
         fed += q
-        check_prefix_pooling(layer.state(), fed, score, pooling)
+        check_prefix_pooling(cache.layer_state(0), fed, score, pooling)
     assert fed > 2 * BUDGET
 
 

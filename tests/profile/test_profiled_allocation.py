@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from engine_run import generate
 
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.allocations.profiled import Profiled
 from kvbench.policies.registry import build_policy
 
@@ -65,6 +66,6 @@ def test_any_policy_runs_with_profiled_budgets(tmp_path, tiny, random_ids, one_t
     )
     ids = random_ids(64)
     g = generate(tiny.model, tiny.tokenizer, ids, policy, 20, "prefill", DecodeSettings(max_new_tokens=1))
-    kept = [round(a * len(ids)) for a in g.budget_achieved_per_layer]
+    kept = [round(a * len(ids)) for a in g.measures.budget_achieved_per_layer]
     assert kept == policy.layer_budgets(20, 4, len(ids))
     assert kept[0] < kept[-1] and sum(kept) == 80

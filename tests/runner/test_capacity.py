@@ -11,10 +11,9 @@ from conftest import CONFIG_DIR, REPO
 from hydra import compose, initialize_config_dir
 
 import kvbench.engine.allocator as allocator
-import kvbench.engine.batch as batch
 from kvbench.capacity import Probe, largest_batch
 from kvbench.config import ConfigError
-from kvbench.engine.sequence import Request
+from kvbench.engine.engine import Engine, EngineSettings
 from kvbench.policies.registry import build_policy
 from kvbench.report.build import build_report
 from kvbench.results.writer import read_rows
@@ -117,5 +116,5 @@ def test_freed_large_blocks_leave_the_resident_set():
 def test_a_cpu_batch_run_maps_large_blocks_alone(monkeypatch, tiny):
     calls = []
     monkeypatch.setattr(allocator, "map_large_blocks_alone", lambda: calls.append(1))
-    batch.BatchRun(tiny.model, None, [Request([1, 2, 3])], build_policy({"name": "full"}), 1.0, "both", 2)
+    Engine(tiny.model, None, EngineSettings(build_policy({"name": "full"}), 1.0, "both", 2))
     assert calls == [1]

@@ -133,8 +133,8 @@ def test_an_ablation_sweep_runs_every_cell_resumes_and_the_report_tells_them_apa
         "budget=0.5",
     ]
     calls = []
-    real = example.run_example
-    monkeypatch.setattr(example, "run_example", lambda *a, **k: calls.append(a[3].id) or real(*a, **k))
+    real = example.generation_outcome
+    monkeypatch.setattr(example, "generation_outcome", lambda *a, **k: calls.append(a[3].id) or real(*a, **k))
     code, _, err = sweep_in_process(*grid, sweep_name="ablation")
     assert code == 0, err[-3000:]
     sweep = tmp_path / "ablation"

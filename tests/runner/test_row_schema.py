@@ -47,14 +47,14 @@ def undeclared(record: dict, prefix: str) -> set[str]:
 
 def test_every_column_a_cell_writes_is_in_the_schema(tmp_path, monkeypatch):
     """Examples that ran (with fidelity: its columns too), one that failed, and a capacity cell's probes."""
-    real = example.run_example
+    real = example.generation_outcome
 
-    def second_fails(lm, task, spec, ex, prompt, references=None):
+    def second_fails(lm, task, spec, ex, *rest):
         if ex.id == "passkey-1":
             raise RuntimeError("synthetic failure")
-        return real(lm, task, spec, ex, prompt, references)
+        return real(lm, task, spec, ex, *rest)
 
-    monkeypatch.setattr(example, "run_example", second_fails)
+    monkeypatch.setattr(example, "generation_outcome", second_fails)
     base = [
         "model=tiny-llama",
         "task.n=2",

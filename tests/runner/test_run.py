@@ -48,8 +48,8 @@ def test_rerun_skips_finished_examples(tmp_path, monkeypatch):
     (cell / "summary.json").unlink()
     (cell / "rows.jsonl").write_text("".join(rows_before.splitlines(keepends=True)[:2]))
     calls = []
-    real = example.run_example
-    monkeypatch.setattr(example, "run_example", lambda *a, **k: calls.append(a[3].id) or real(*a, **k))
+    real = example.generation_outcome
+    monkeypatch.setattr(example, "generation_outcome", lambda *a, **k: calls.append(a[3].id) or real(*a, **k))
     run_cell(config, cell, "t")
     assert calls == ["passkey-2"]
     assert [r["example_id"] for r in read_rows(cell / "rows.jsonl")] == ["passkey-0", "passkey-1", "passkey-2"]
@@ -59,14 +59,14 @@ def test_rerun_skips_finished_examples(tmp_path, monkeypatch):
 
 
 def test_failing_example_becomes_error_row(tmp_path, monkeypatch):
-    real = example.run_example
+    real = example.generation_outcome
 
-    def boom(lm, task, spec, ex, prompt, references=None):
+    def boom(lm, task, spec, ex, *rest):
         if ex.id == "passkey-1":
             raise RuntimeError("synthetic failure")
-        return real(lm, task, spec, ex, prompt, references)
+        return real(lm, task, spec, ex, *rest)
 
-    monkeypatch.setattr(example, "run_example", boom)
+    monkeypatch.setattr(example, "generation_outcome", boom)
     run_cell(cfg(TINY + ["policy=window"]), tmp_path / "c", "t")
     rows = read_rows(tmp_path / "c" / "rows.jsonl")
     assert [r["status"] for r in rows] == ["ok", "error", "ok"]

@@ -173,7 +173,7 @@ def test_sigkill_mid_cell_then_rerun_matches_an_uninterrupted_sweep(tmp_path, sw
 
 def test_one_process_loads_the_model_once_and_failing_examples_become_rows(tmp_path, monkeypatch, sweep_in_process):
     loads, calls = [], []
-    real_load, real_example = model_cache.load_model, example.run_example
+    real_load, real_example = model_cache.load_model, example.generation_outcome
     monkeypatch.setattr(model_cache, "_MODELS", {})
     monkeypatch.setattr(model_cache, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
 
@@ -185,7 +185,7 @@ def test_one_process_loads_the_model_once_and_failing_examples_become_rows(tmp_p
             raise RuntimeError("synthetic failure")
         return real_example(lm, task, spec, ex, prompt, *args, **kwargs)
 
-    monkeypatch.setattr(example, "run_example", flaky)
+    monkeypatch.setattr(example, "generation_outcome", flaky)
     code, out, _ = sweep_in_process(*TINY, "policy=full,window,random", "budget=0.25,0.5")
     assert code == 0
     assert len(loads) == 1, "the model must load once per process"

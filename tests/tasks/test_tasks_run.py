@@ -10,9 +10,9 @@ from conftest import CONFIG_DIR, SHARED_DATA
 from hydra import compose, initialize_config_dir
 
 from kvbench.config import validate
+from kvbench.engine.engine import Engine
 from kvbench.results.schema import COLUMNS, METRIC_PREFIX
 from kvbench.results.writer import read_rows
-from kvbench.runner import passes
 from kvbench.runner.cell import run_cell
 from kvbench.runner.model_cache import get_model
 from kvbench.tasks.instructions import BUILTIN_PROMPTS
@@ -128,13 +128,13 @@ def test_question_aware_false_compresses_only_the_context(tmp_path, monkeypatch,
         "budget=0.5",
     ]
     seen = []
-    real = passes.generate
+    real = Engine.steps
 
-    def spy(model, tokenizer, input_ids, *args, **kwargs):
-        seen.append((list(input_ids), list(kwargs.get("suffix_ids") or [])))
-        return real(model, tokenizer, input_ids, *args, **kwargs)
+    def spy(engine, requests):
+        seen.extend((list(r.input_ids), list(r.suffix_ids)) for r in requests)
+        return real(engine, requests)
 
-    monkeypatch.setattr(passes, "generate", spy)
+    monkeypatch.setattr(Engine, "steps", spy)
     (row,) = run(tmp_path, "cell", overrides)
     context, suffix = seen[0]
     tokenizer = get_model(validate(cfg(overrides)).model).tokenizer

@@ -1,4 +1,4 @@
-"""Bookkeeping for every row of every layer: rows of (sequence slot, KV head), each with its own length.
+"""Bookkeeping for every row of every layer: rows of (lane, KV head), each with its own length.
 
 Tensors are [layers, rows, capacity] and indexed by *slot* (where an entry's K/V lives, see ``store``):
 ``occupied`` (whether a slot holds an entry), ``positions`` (its absolute position, -1 where free), ``table``
@@ -6,7 +6,7 @@ Tensors are [layers, rows, capacity] and indexed by *slot* (where an entry's K/V
 capacity] lists each row's slots in sequence order (entry j of row r is slot ``order[l, r, j]`` for
 j < ``lengths[l, r]``), which is what scores and scopes rank. A decode step gives each row's new entry its
 lowest free slot; a prompt chunk takes the slots after every row's last one. Eviction frees slots and drops them
-from ``order``; after a prompt chunk's eviction a layer is *densified* (entries moved to slots ``0:length``, in
+from ``order``; after a prompt chunk's eviction a layer is *packed* (entries moved to slots ``0:length``, in
 order), so the next chunk again starts right after them.
 """
 
@@ -23,7 +23,7 @@ class Entries:
     def __init__(
         self,
         layers: int,
-        slots: int,
+        lanes: int,
         heads: int,
         capacity: int,
         columns: list[str],
@@ -31,8 +31,8 @@ class Entries:
         device: torch.device,
         row_sums: RowSums | None = None,
     ):
-        self.layers, self.slots, self.heads, self.capacity = layers, slots, heads, capacity
-        self.rows = slots * heads
+        self.layers, self.lanes, self.heads, self.capacity = layers, lanes, heads, capacity
+        self.rows = lanes * heads
         shape = (layers, self.rows, capacity)
         self.lengths = torch.zeros(layers, self.rows, dtype=torch.long, device=device)
         self.occupied = torch.zeros(shape, dtype=torch.bool, device=device)
@@ -43,17 +43,17 @@ class Entries:
         self.log = QueryLog(layers * self.rows, capacity, history, device) if history else None
         # The declared running sums per row (policies.running): every slot freed here leaves them first.
         self.row_sums = row_sums
-        # Per layer, an upper bound on the slots any row uses (host-side: it sizes every step's key range).
-        self.spans = [0] * layers
+        # Per layer, an upper bound on the slots any row uses (host-side: slots 0:slots_used[l] are a step's keys).
+        self.slots_used = [0] * layers
         self.device = device
 
     # -- indices -------------------------------------------------------------------------------------------
     def row_range(self, lo: int, hi: int) -> slice:
-        """A layer's rows of slots ``lo:hi``."""
+        """A layer's rows of lanes ``lo:hi``."""
         return slice(lo * self.heads, hi * self.heads)
 
     def flat_rows(self, lo: int, hi: int) -> torch.Tensor:
-        """Rows of slots ``lo:hi`` in every layer, as indices into the flattened [layers × rows]: [layers, r]."""
+        """Rows of lanes ``lo:hi`` in every layer, as indices into the flattened [layers × rows]: [layers, r]."""
         local = torch.arange(lo * self.heads, hi * self.heads, device=self.device)
         return torch.arange(self.layers, device=self.device).unsqueeze(1) * self.rows + local
 
@@ -84,25 +84,26 @@ class Entries:
 
     # -- a step's new entries ------------------------------------------------------------------------------
     def insert(self, lo: int, hi: int, positions: torch.Tensor) -> tuple[torch.Tensor, list[int], list[bool]]:
-        """Entries for the tokens at ``positions`` [slots hi - lo, q] in every layer's rows of slots ``lo:hi``.
-        Returns their slots [layers, r, q], each layer's key span for the step, and whether each layer's
-        visible past has no free slot in it (q == 1: nothing is masked; q > 1: the past before the chunk)."""
+        """Entries for the tokens at ``positions`` [lanes hi - lo, q] in every layer's rows of lanes ``lo:hi``.
+        Returns their slots [layers, r, q], each layer's slots in use (the step's keys are slots ``0:used``), and
+        whether each layer's visible past is gapless, with no free slot in it (q == 1: nothing is masked;
+        q > 1: the past before the chunk)."""
         rows, q = self.row_range(lo, hi), positions.shape[1]
         r = rows.stop - rows.start
         lengths = self.lengths[:, rows]
         if q == 1:
             slots = (~self.occupied[:, rows]).to(torch.uint8).argmax(dim=-1, keepdim=True)
             host = torch.stack([slots.amax(dim=(1, 2)) + 1, lengths.amin(dim=1) + 1]).tolist()
-            self.spans = [max(s, new) for s, new in zip(self.spans, host[0])]
-            dense = [low == span for low, span in zip(host[1], self.spans)]
+            self.slots_used = [max(s, new) for s, new in zip(self.slots_used, host[0])]
+            gapless = [low == used for low, used in zip(host[1], self.slots_used)]
         else:
             lows = lengths.amin(dim=1).tolist()
-            dense = [low == span for low, span in zip(lows, self.spans)]
-            base = torch.tensor(self.spans, device=self.device).view(-1, 1, 1)
+            gapless = [low == used for low, used in zip(lows, self.slots_used)]
+            base = torch.tensor(self.slots_used, device=self.device).view(-1, 1, 1)
             slots = (base + torch.arange(q, device=self.device)).expand(-1, r, -1).contiguous()
-            self.spans = [s + q for s in self.spans]
-        if max(self.spans) > self.capacity:
-            raise RuntimeError(f"{max(self.spans)} slots exceed the pre-allocated capacity {self.capacity}")
+            self.slots_used = [s + q for s in self.slots_used]
+        if max(self.slots_used) > self.capacity:
+            raise RuntimeError(f"{max(self.slots_used)} slots exceed the pre-allocated capacity {self.capacity}")
         per_row = positions.repeat_interleave(self.heads, dim=0).unsqueeze(0).expand(self.layers, -1, -1)
         self.positions[:, rows].scatter_(2, slots, per_row)
         self.occupied[:, rows].scatter_(2, slots, True)
@@ -115,7 +116,7 @@ class Entries:
             self.log.clear(
                 flat_slots(self.flat_rows(lo, hi).reshape(-1), slots.reshape(self.layers * r, q), self.capacity)
             )
-        return slots, self.spans[:], dense
+        return slots, self.slots_used[:], gapless
 
     # -- eviction ------------------------------------------------------------------------------------------
     def gather_rows(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -174,8 +175,8 @@ class Entries:
         else:
             self.lengths.view(-1)[rows] = k
 
-    def densify(self, layer: int, lo: int, hi: int, store: KVStore) -> None:
-        """Move every entry of the layer's rows of slots ``lo:hi`` to slots ``0:length``, in sequence order."""
+    def pack(self, layer: int, lo: int, hi: int, store: KVStore) -> None:
+        """Move every entry of the layer's rows of lanes ``lo:hi`` to slots ``0:length``, in sequence order."""
         rows = self.row_range(lo, hi)
         lengths = self.lengths[layer, rows]
         m = int(lengths.max())
@@ -196,12 +197,12 @@ class Entries:
             self.log.total[flat, :m] = self.log.total[flat].gather(1, order)
         self.order[layer, rows, :m] = torch.arange(m, device=self.device)
         self.occupied[layer, rows] = held
-        self.spans[layer] = m
+        self.slots_used[layer] = m
 
-    # -- slots ---------------------------------------------------------------------------------------------
-    def copy_slot(self, source: Entries, src: int, dst: int) -> int:
-        """Sequence slot ``src`` of ``source`` becomes slot ``dst`` here (every layer); returns the slots copied."""
-        n = max(source.spans)
+    # -- lanes ---------------------------------------------------------------------------------------------
+    def copy_lane(self, source: Entries, src: int, dst: int) -> int:
+        """Lane ``src`` of ``source`` becomes lane ``dst`` here (every layer); returns the slots copied."""
+        n = max(source.slots_used)
         if n > self.capacity:
             raise RuntimeError(f"a sequence using {n} slots does not fit rows of capacity {self.capacity}")
         a, b = source.row_range(src, src + 1), self.row_range(dst, dst + 1)
@@ -218,9 +219,9 @@ class Entries:
                 mine[:, b, n:] = empty
         if self.log is not None:
             assert source.log is not None, "caches of one run keep the same query log"
-            for l in range(self.layers):
-                fa = slice(l * source.rows + a.start, l * source.rows + a.stop)
-                fb = slice(l * self.rows + b.start, l * self.rows + b.stop)
+            for layer in range(self.layers):
+                fa = slice(layer * source.rows + a.start, layer * source.rows + a.stop)
+                fb = slice(layer * self.rows + b.start, layer * self.rows + b.stop)
                 self.log.rows[fb, :, :n] = source.log.rows[fa, :, :n]
                 self.log.total[fb, :n] = source.log.total[fa, :n]
                 self.log.nvis[fb] = source.log.nvis[fa]
@@ -228,12 +229,12 @@ class Entries:
             assert source.row_sums is not None, "caches of one run keep the same row sums"
             from_rows, to_rows = source.flat_rows(src, src + 1).view(-1), self.flat_rows(dst, dst + 1).view(-1)
             self.row_sums.copy_rows(source.row_sums, from_rows, to_rows)
-        self.spans = [max(s, t) for s, t in zip(self.spans, source.spans)]
+        self.slots_used = [max(s, t) for s, t in zip(self.slots_used, source.slots_used)]
         return n
 
-    def kept_positions(self, layer: int, slot: int) -> torch.Tensor:
+    def kept_positions(self, layer: int, lane: int) -> torch.Tensor:
         """[heads, longest row] in sequence order; a row holding fewer entries repeats its newest position."""
-        rows = self.row_range(slot, slot + 1)
+        rows = self.row_range(lane, lane + 1)
         lengths = self.lengths[layer, rows]
         m = int(lengths.max())
         pos = self.positions[layer, rows].gather(1, self.order[layer, rows, :m])

@@ -28,7 +28,7 @@ class Group:
     policy: Policy
     budget: int
     window: int | None
-    units: list[tuple[int, int]] = field(default_factory=list)  # (layer, slot)
+    units: list[tuple[int, int]] = field(default_factory=list)  # (layer, lane)
 
 
 @dataclass
@@ -46,7 +46,7 @@ class StepRows:
 
 def unit_rows(entries: Entries, units: list[tuple[int, int]]) -> list[int]:
     h = entries.heads
-    return [l * entries.rows + s * h + i for l, s in units for i in range(h)]
+    return [layer * entries.rows + s * h + i for layer, s in units for i in range(h)]
 
 
 def group_state(
@@ -115,10 +115,10 @@ def step_queries(entries: Entries, rows: torch.Tensor | None, step: StepRows) ->
     """The group's rows' queries of this step, [r, group, k, D] (each layer's part from what its attention kept)."""
     flat = torch.arange(entries.layers * entries.rows, device=entries.device) if rows is None else rows
     parts = []
-    for l, start, end in layer_runs(flat, entries.rows):
-        kept = step.queries[l] if l < len(step.queries) else None
+    for layer, start, end in layer_runs(flat, entries.rows):
+        kept = step.queries[layer] if layer < len(step.queries) else None
         assert kept is not None, "an evicting step's attention keeps the queries its policy declared"
-        parts.append(kept.index_select(0, flat[start:end] - l * entries.rows - step.first_row))
+        parts.append(kept.index_select(0, flat[start:end] - layer * entries.rows - step.first_row))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -128,8 +128,8 @@ def load_kv(
     """The group's keys and values in sequence order, [r, n, D] (each layer's part from its own store)."""
     flat = torch.arange(entries.layers * entries.rows, device=order.device) if rows is None else rows
     keys, values = [], []
-    for l, start, end in layer_runs(flat, entries.rows):
-        k, v = stores[l].gather(flat[start:end] - l * entries.rows, order[start:end])
+    for layer, start, end in layer_runs(flat, entries.rows):
+        k, v = stores[layer].gather(flat[start:end] - layer * entries.rows, order[start:end])
         keys.append(k)
         values.append(v)
     return (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys), torch.cat(values))

@@ -1,48 +1,72 @@
-"""One decoder layer's face of the cache: its K/V store and what the current step's keys are."""
+"""One decoder layer's face of the cache: its K/V store, and what the step under way gives its attention.
+
+The cache hands each layer the step's ``Feeding`` (``update``); the layer writes its new entries to its store and
+returns the keys and values the step attends to. Its attention then reads which of them each row sees
+(``visible``, ``key_positions``, ``step_window``) and hands the layer the statistics it reduced (``record``),
+which go into the shared ``Entries``. Nothing here reaches back into the cache.
+"""
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvbench.engine.cache.entries import Entries
+from kvbench.engine.cache.feeding import Feeding
 from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
+from kvbench.engine.score_inputs import ScoreInputs, per_head
 from kvbench.engine.visibility import Window
 from kvbench.policies.base import Policy
 from kvbench.policies.positions import Rotary
-from kvbench.policies.state import TokenState
+from kvbench.policies.statistics import STATISTICS
 
-if TYPE_CHECKING:
-    from kvbench.engine.cache.cache import KVCache
+
+def write_features(
+    entries: Entries,
+    layer: int,
+    store: KVStore,
+    policy: Policy,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+) -> None:
+    """Write-time features (e.g. value norms) of the layer's entries at (``rows`` [m], ``slots`` [m]), from them
+    as stored; with the layer's declared ``weights``, one KV head at a time (``score_inputs.per_head``)."""
+    keys, values = store.gather(rows, slots.unsqueeze(1))
+    for at, head_weights in per_head(weights, rows, entries.heads):
+        for name, value in policy.features(keys[at], values[at], head_weights).items():
+            entries.write_column(name, layer, rows[at], slots[at], value)
 
 
 class CacheLayer(CacheLayerMixin):
-    """One decoder layer: its K/V store and what the current step's keys are."""
+    """One decoder layer: its plan, policy and K/V store, and the keys of the step under way: how many (slots
+    ``0:n``), how many precede the step's own (``past``), which are visible ([rows, n] for a decode step,
+    [rows, past] for a chunk; None: all) and their positions [rows, n]."""
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, cache: KVCache, layer_idx: int, plan: LayerPlan, rotary: Rotary | None = None):
+    def __init__(
+        self, layer_idx: int, plan: LayerPlan, policy: Policy, inputs: ScoreInputs, rotary: Rotary | None = None
+    ):
         super().__init__()
-        # A proxy: the cache owns its layers, and no cycle keeps a finished prompt's cache alive until a collection.
-        self.cache = weakref.proxy(cache)
-        self.layer_idx, self.plan, self.capacity = layer_idx, plan, 0
-        self.policy: Policy = plan.policy or cache.policy
+        self.layer_idx, self.plan, self.policy, self.capacity = layer_idx, plan, policy, 0
+        self.inputs = inputs  # the score's declared weights, and where this layer leaves the step's queries
         self._store: KVStore | None = None
+        self._entries: Entries | None = None
         # Under positions=reindex: this layer's RoPE (layers may differ: Gemma 3's local and global tables).
         self.rotary = rotary if rotary is not None and rotary.rot_dim > 0 else None
-        # The step's keys: how many (slots 0:n), how many precede the step's own (q > 1), which are visible
-        # ([rows, n] for a decode step, [rows, past] for a chunk; None: all) and their positions [rows, n].
         self.n = self.past = 0
         self.visible: torch.Tensor | None = None
         self.key_positions: torch.Tensor | None = None
+        self.feeding: Feeding | None = None
 
-    def attach(self, store: KVStore) -> None:
-        """The layer's K/V buffers, allocated by the cache once it knows their shapes."""
-        self._store, self.capacity, self.is_initialized = store, store.capacity, True
+    def attach(self, store: KVStore, entries: Entries) -> None:
+        """The layer's K/V buffers and the cache's bookkeeping, allocated once their shapes are known."""
+        self._store, self._entries, self.capacity, self.is_initialized = store, entries, store.capacity, True
 
     @property
     def store(self) -> KVStore:
@@ -50,18 +74,56 @@ class CacheLayer(CacheLayerMixin):
         assert self._store is not None, "the cache attaches every layer's store on its first write"
         return self._store
 
-    def begin_step(self, n: int, past: int, visible: torch.Tensor | None, key_positions: torch.Tensor) -> None:
-        """This step's keys: slots ``0:n``, of which ``past`` precede the step's own (all of them in a decode
-        step), which are visible and at which positions."""
-        self.n, self.past, self.visible, self.key_positions = n, past, visible, key_positions
+    @property
+    def entries(self) -> Entries:
+        assert self._entries is not None, "the cache attaches its entries on its first write"
+        return self._entries
+
+    @property
+    def current(self) -> Feeding:
+        """The step under way."""
+        assert self.feeding is not None, "a layer attends only after the step's write"
+        return self.feeding
+
+    # -- transformers' cache layer ---------------------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, feeding: Feeding, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's new entries; returns the keys and values the step attends to [lanes, heads, n, D]."""
+        layer, e, store = self.layer_idx, self.entries, self.store
+        b, h, q, _ = key_states.shape
+        lanes = feeding.step.lanes
+        rows, slots = feeding.rows, feeding.slots[layer]
+        stored = key_states
+        if self.rotary is not None:
+            stored = self.rotary.unrotate(key_states, feeding.model_positions.unsqueeze(1))
+        store.write(rows, slots, stored.reshape(b * h, q, -1), value_states.reshape(b * h, q, -1))
+        if self.policy.feature_names:
+            weights = self.inputs.weights[layer]
+            write_features(e, layer, store, self.policy, rows.repeat_interleave(q), slots.reshape(-1), weights)
+        if e.row_sums is not None:
+            e.row_sums.add(layer, rows, slots)
+        n = feeding.key_spans[layer]
+        keys, values = store.read(lanes.start * h, lanes.stop * h, n)
+        rr = e.row_range(lanes.start, lanes.stop)
+        past = n if q == 1 else n - q
+        visible = None if feeding.gapless[layer] else e.occupied[layer, rr, :past]
+        masks = feeding.step.replay_masks
+        if masks is not None:
+            by_position = masks[layer].gather(1, e.positions[layer, rr, :past].clamp_min(0))
+            visible = by_position & e.occupied[layer, rr, :past]
+        self.n, self.past, self.visible, self.key_positions = n, past, visible, e.positions[layer, rr, :n]
+        self.feeding = feeding
+        if self.rotary is not None:
+            keys = self.rotary.rotate(keys, self._reindexed_positions(n))
+        return keys.view(b, h, n, -1), values.view(b, h, n, -1)
+
+    def finish(self) -> None:
+        """The step is over: its feeding is not read again."""
+        self.feeding = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.write(self.layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.n or query_length, 0
@@ -75,18 +137,14 @@ class CacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         raise RuntimeError("a kvbench cache is built per run; it is never reset")
 
-    def state(self, slot: int = 0) -> TokenState:
-        """What this layer holds for the sequence in ``slot``, as its policy ranks it."""
-        return self.cache.layer_state(self.layer_idx, slot)
-
+    # -- what the attention reads and hands back -------------------------------------------------------------
     def step_window(self, size: int | None) -> Window | None:
         """The step's sliding window over its keys, or None where every visible key is inside it."""
         if size is None:
             return None
-        cache = self.cache
-        queries = cache.query_positions  # [rows, q]
+        queries = self.current.query_positions  # [rows, q]
         keys = self.key_positions
-        assert keys is not None, "begin_step sets the step's key positions before the layer attends"
+        assert keys is not None, "update sets the step's key positions before the layer attends"
         held = (
             keys
             if self.visible is None or self.visible.shape[1] != keys.shape[1]
@@ -96,3 +154,54 @@ class CacheLayer(CacheLayerMixin):
         if bool((queries[:, -1] - oldest < size).all()):
             return None
         return Window(size, held, queries)
+
+    def record(self, stats: dict[str, torch.Tensor]) -> None:
+        """Fold the statistics the attention reduced over the step's keys (slots ``0:n``) into the rows."""
+        if not stats:
+            return
+        if "queries" in stats:  # not a statistic: the step's queries, for this step's eviction
+            self.inputs.queries[self.layer_idx] = stats.pop("queries")
+        e, feeding = self.entries, self.current
+        layer, lanes, q = self.layer_idx, feeding.step.lanes, feeding.step.tokens
+        rr = e.row_range(lanes.start, lanes.stop)
+        for name, value in stats.items():
+            if name in e.columns:
+                assert e.table is not None, "entries with columns keep a table"
+                column = e.table[layer, rr, : value.shape[-1], e.columns.index(name)]
+                if STATISTICS[name].fold == "replace":
+                    column.copy_(value)
+                else:
+                    column += value
+        if e.log is not None and "qlog" in stats:
+            logged = self.policy.score.log_rows(stats["qlog"], stats["qlog_nvis"])
+            w = e.log.history
+            flat = slice(layer * e.rows + rr.start, layer * e.rows + rr.stop)
+            if q == 1:
+                e.log.append(flat, logged, stats["qlog_nvis"], feeding.query_positions[:, 0] % w, self._wrapped(w))
+            else:
+                k = logged.shape[1]
+                places = [p % w for p in feeding.step.positions[0][-k:]]
+                e.log.append(flat, logged, stats["qlog_nvis"], places, [])
+
+    def _wrapped(self, w: int) -> list[int]:
+        """Rows (counted from the step's first) whose query-log ring wraps with this decode step."""
+        h = self.entries.heads
+        positions = self.current.step.positions
+        return [s * h + i for s, p in enumerate(positions) if p[0] % w == w - 1 for i in range(h)]
+
+    def _reindexed_positions(self, n: int) -> torch.Tensor:
+        """Under reindex, where each slot's key sits: the row's entries, in order, end just before its new ones."""
+        e, feeding = self.entries, self.current
+        layer, lanes = self.layer_idx, feeding.step.lanes
+        assert feeding.lengths_before is not None, "the cache keeps the lengths before the step under reindex"
+        rr = e.row_range(lanes.start, lanes.stop)
+        order = e.order[layer, rr, :n]
+        r = order.shape[0]
+        held = torch.arange(n, device=order.device) < e.lengths[layer, rr].unsqueeze(1)
+        rank = torch.zeros(r, n + 1, dtype=torch.long, device=order.device)
+        rank.scatter_(1, torch.where(held, order, n), torch.arange(n, device=order.device).expand(r, -1))
+        rank = rank[:, :n]
+        start = feeding.model_positions[:, :1].repeat_interleave(e.heads, dim=0) - feeding.lengths_before[
+            layer
+        ].unsqueeze(1)
+        return start + rank

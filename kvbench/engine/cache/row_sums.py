@@ -44,9 +44,9 @@ class RowSums:
     def remove(self, rows: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """The entries at ``slots`` [r, m] of flat rows ``rows`` [r] (layer × rows + row) leave (only where ``mask``
         [r, m] is True, if given). Rows come grouped by layer, as every eviction lists them."""
-        for l, start, end in layer_runs(rows, self.rows):
+        for layer, start, end in layer_runs(rows, self.rows):
             part = None if mask is None else mask[start:end]
-            self._fold(l, rows[start:end] - l * self.rows, slots[start:end], part, -1)
+            self._fold(layer, rows[start:end] - layer * self.rows, slots[start:end], part, -1)
 
     def read(self, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The sums of flat rows ``rows`` (None: all), as float32 [r, F] by name."""

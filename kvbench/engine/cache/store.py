@@ -1,4 +1,4 @@
-"""One layer's keys and values: rows of (sequence slot, KV head), each a pre-allocated run of entry slots.
+"""One layer's keys and values: rows of (lane, KV head), each a pre-allocated run of entry slots.
 
 An entry keeps its slot until it is evicted, so a decode step writes only the new entries and never moves the
 held ones; the row's order (which slot holds its j-th entry) is bookkeeping (``entries.Entries``). Quantised

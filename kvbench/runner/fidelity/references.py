@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from kvbench.config import RunSpec
-from kvbench.engine.generate import DecodeSettings, generate
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Generation, Request
 from kvbench.models import LoadedModel
-from kvbench.policies.registry import build_policy
+from kvbench.policies.full import never_evicting
 from kvbench.runner.fidelity.metrics import (
     fidelity_rouge_l,
     kl_divergence,
@@ -103,21 +103,15 @@ def reference_key(
 
 
 def _full_cache(
-    lm: LoadedModel, input_ids: list[int], suffix_ids: list[int], settings: DecodeSettings, stride: int | None, **extra
-):
-    return generate(
-        lm.model,
-        lm.tokenizer,
-        input_ids,
-        build_policy({"name": "full"}),
-        1.0,
-        "prefill",
-        settings,
-        suffix_ids=suffix_ids,
-        stride=stride,
-        return_logits=True,
-        **extra,
-    )
+    lm: LoadedModel,
+    input_ids: list[int],
+    suffix_ids: list[int],
+    settings: DecodeSettings,
+    stride: int | None,
+    forced_tokens: list[int] | None = None,
+) -> Generation:
+    engine = Engine(lm.model, lm.tokenizer, EngineSettings(never_evicting(), stride=stride, return_logits=True))
+    return engine.run([Request(input_ids, suffix_ids, settings, forced_tokens)])[0]
 
 
 def generated_reference(
@@ -130,10 +124,11 @@ def generated_reference(
 ) -> Reference:
     """The full cache's generation for a prompt, with its per-step top-K log-probabilities."""
     g = _full_cache(lm, input_ids, suffix_ids, settings, stride)
+    assert g.logits is not None, "the full cache's pass returns its logits"
     return Reference(
         tokens=list(g.tokens),
         text=g.text,
-        stop_reason=g.stop_reason,
+        stop_reason=g.measures.stop_reason,
         summary=summarize_logits(g.logits, top_k),
         argmax=g.logits.argmax(-1).tolist(),
     )
@@ -149,6 +144,7 @@ def forced_reference(
 ) -> Reference:
     """The full cache teacher-forced along ``targets``: each target's NLL and the top-K per step."""
     g = _full_cache(lm, input_ids, [], settings, stride, forced_tokens=targets)
+    assert g.logits is not None, "the full cache's pass returns its logits"
     return Reference(
         tokens=list(targets),
         text="",

@@ -1,0 +1,40 @@
+"""One forward of the batch loop as a value: which lanes it feeds, at which positions, in which phase, whether it
+evicts, whether the attention collects statistics, and what masked replay lets each row see.
+
+The batch loop builds a ``Step`` and hands it down: to the cache (``KVCache.begin`` / ``finish``), through it to
+each layer's write, and to the eviction at its end (``evict.Evictor``). Nothing below the loop decides any of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.stages import Phase, Stage
+
+__all__ = ["Phase", "Stage", "Step"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """Lanes ``lanes`` (consecutive) each fed tokens at the absolute ``positions`` (one list per lane, all of one
+    length). ``evicts``: rows over their budget evict once every layer has attended. ``collects``: the attention
+    reduces the statistics the policy reads (this step or a later one evicts). ``replay_masks``: masked replay,
+    per layer [rows of the lanes, positions so far] — which positions each row may see (None: what it holds)."""
+
+    lanes: range
+    positions: list[list[int]]
+    phase: Phase
+    evicts: bool
+    collects: bool
+    replay_masks: list[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.positions) != len(self.lanes) or len({len(p) for p in self.positions}) != 1:
+            raise ValueError("a step feeds each of its lanes the same number of tokens")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens fed to each lane: 1 in a decode step."""
+        return len(self.positions[0])
