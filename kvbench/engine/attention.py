@@ -31,8 +31,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
-from kvbench.engine.visibility import Window, visibility
-from kvbench.policies.statistics import Latest, Logged, Summed, attention_names, declared
+from kvbench.engine.visibility import KeyAccess, visibility
+from kvbench.policies.statistics import NOTHING, Collecting, Latest, Logged, Summed, attention_names, declared
 
 if TYPE_CHECKING:
     from kvbench.engine.cache.cache import KVCache
@@ -49,40 +49,38 @@ def decode_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    scaling: float,
-    visible: torch.Tensor | None,
-    needs: frozenset[str],
-    history: int = 0,
-    window: Window | None = None,
-    softcap: float | None = None,
+    access: KeyAccess,
+    collecting: Collecting = NOTHING,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One query per sequence (query [B, heads, 1, D]) over its rows' keys [B, kv_heads, n, D], each row seeing
-    what ``visible`` [B × kv_heads, n] and the window show (None: every key). Returns the attention output in the
-    layout transformers' attention functions return ([B, 1, heads, Dv]) and the statistics of
+    what ``access.visible`` [B × kv_heads, n] and its window show (None: every key). Returns the attention output
+    in the layout transformers' attention functions return ([B, 1, heads, Dv]) and the statistics of
     ``attention_statistics`` for that query ([B × kv_heads, n] each), both from one set of probabilities
     (float32). Each row is its own batched product: a sequence's result does not depend on the others'."""
     b, hq, _, dim = query.shape
     hkv, n = key.shape[1], key.shape[2]
     rows, group = b * hkv, hq // hkv
-    qh = query.reshape(rows, group, dim).float() * scaling
+    qh = query.reshape(rows, group, dim).float() * access.scaling
     keys = key.reshape(rows, n, dim).float()
-    logits = softcapped(torch.bmm(qh, keys.transpose(1, 2)), softcap)  # [rows, group, n]
-    if window is not None:
-        in_window = window.allowed(0, 1)[:, 0]  # [rows, n]
+    logits = softcapped(torch.bmm(qh, keys.transpose(1, 2)), access.softcap)  # [rows, group, n]
+    visible = access.visible
+    if access.window is not None:
+        in_window = access.window.allowed(0, 1)[:, 0]  # [rows, n]
         visible = in_window if visible is None else visible & in_window
     if visible is not None:
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
     probs = logits.softmax(dim=-1)
     output = torch.bmm(probs, value.reshape(rows, n, -1).float()).to(query.dtype).view(b, 1, hq, -1)
-    return output, _decode_statistics(probs, None if visible is None else visible.sum(dim=-1), needs, history)
+    return output, _decode_statistics(probs, None if visible is None else visible.sum(dim=-1), collecting)
 
 
 def _decode_statistics(
-    probs: torch.Tensor, counts: torch.Tensor | None, needs: frozenset[str], history: int
+    probs: torch.Tensor, counts: torch.Tensor | None, collecting: Collecting
 ) -> dict[str, torch.Tensor]:
     """The statistics of one query's probabilities [rows, group, n]; ``counts`` [rows]: how many keys each row
     saw (None: all n)."""
     stats: dict[str, torch.Tensor] = {}
+    needs = collecting.needs
     if not attention_names(needs):
         return stats
     row = probs.mean(dim=1)  # GQA: the group's mean, [rows, n]
@@ -90,7 +88,7 @@ def _decode_statistics(
         stats[summed.name] = row if summed.of is None else summed.of(row)
     for latest in declared(needs, Latest):
         stats[latest.name] = row
-    for log in declared(needs, Logged) if history > 0 else ():
+    for log in declared(needs, Logged) if collecting.history > 0 else ():
         stats[log.name] = row.unsqueeze(1)
         hkv, n = row.shape
         stats[f"{log.name}_nvis"] = (
@@ -147,54 +145,37 @@ def kvbench_attention(
     kwargs["dropout"] = dropout  # the rest of kwargs is not read past this point
     size, softcap = family_arguments(layer_idx, kwargs, layer.plan.window)
     q = query.shape[2]
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    policy = layer.policy
-    needs = policy.needs if step.collects else frozenset()
     window = layer.step_window(size)
-    collecting = bool(attention_names(needs))
+    access = KeyAccess(
+        scaling if scaling is not None else query.shape[-1] ** -0.5, key.shape[2] - q, layer.visible, window, softcap
+    )
+    needs = attention_names(layer.policy.needs) if step.collects else frozenset()
+    collecting = Collecting(needs, layer.policy.history) if needs else NOTHING
     if q == 1:
         # SDPA only for one unmasked sequence: for several, one batched product per row (docs/perf/batch.md).
         plain = query.shape[0] == 1 and layer.visible is None and window is None
-        if collecting or softcap is not None or not plain:
-            output, stats = decode_attention(
-                query, key, value, scaling, layer.visible, needs, policy.history, window, softcap
-            )
+        if needs or softcap is not None or not plain:
+            output, stats = decode_attention(query, key, value, access, collecting)
         else:
             output, stats = (
-                sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling, is_causal=False)[
-                    0
-                ],
+                sdpa_attention_forward(
+                    module, query, key, value, None, dropout=0.0, scaling=access.scaling, is_causal=False
+                )[0],
                 {},
             )
         layer.record(_with_queries(stats, layer, step, query))
         return output, None
     if query.shape[0] != 1:
         raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
-    past = key.shape[2] - q
     # Statistics summed over every query: the output comes from the same blocked pass (one product of queries and
     # keys instead of SDPA's and a second one).
     if softcap is not None or declared(needs, Summed):
-        stats = attention_statistics(
-            query,
-            key,
-            scaling,
-            past,
-            layer.visible,
-            needs if collecting else frozenset(),
-            policy.history,
-            window,
-            softcap,
-            value,
-        )
+        stats = attention_statistics(query, key, access, collecting, value)
         output = stats.pop("output")
         layer.record(_with_queries(stats, layer, step, query))
         return output, None
-    output = _sdpa(module, query, key, value, scaling, past, layer.visible, window)
-    stats = (
-        attention_statistics(query, key, scaling, past, layer.visible, needs, policy.history, window)
-        if collecting
-        else {}
-    )
+    output = _sdpa(module, query, key, value, access)
+    stats = attention_statistics(query, key, access, collecting) if needs else {}
     layer.record(_with_queries(stats, layer, step, query))
     return output, None
 
@@ -220,20 +201,14 @@ def _with_queries(
 
 
 def _sdpa(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float,
-    past: int,
-    visible_past: torch.Tensor | None,
-    window: Window | None,
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, access: KeyAccess
 ) -> torch.Tensor:
     """transformers' SDPA over the step's keys, masked as the layer's visibility says; a windowed chunk is
     attended a block of queries at a time, so its mask never spans the whole chunk at once."""
     q, n = query.shape[2], key.shape[2]
     group = query.shape[1] // key.shape[1]
-    if visible_past is None and window is None:
+    past, window, scaling = access.past, access.window, access.scaling
+    if access.visible is None and window is None:
         mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0) if q > 1 and past > 0 else None
         return sdpa_attention_forward(
             module, query, key, value, mask, dropout=0.0, scaling=scaling, is_causal=mask is None and q > 1
@@ -241,7 +216,7 @@ def _sdpa(
     outputs = []
     for start, end, lo in query_blocks(0, q, past, n, query.shape[1], window):
         hi = past + end  # keys past the block's last query, and before its window, are hidden from all of it
-        mask = visibility(past, start, end, hi, visible_past, key.device, window, lo)
+        mask = visibility(past, start, end, hi, access.visible, key.device, window, lo)
         if mask.shape[0] > 1:
             mask = mask.repeat_interleave(group, dim=0)
         outputs.append(

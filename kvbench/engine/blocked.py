@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.engine.visibility import Window, visibility
+from kvbench.engine.visibility import KeyAccess, Window, visibility
 from kvbench.engine.workers import split_across_threads
-from kvbench.policies.statistics import Latest, Logged, Summed, declared
+from kvbench.policies.statistics import NOTHING, Collecting, Latest, Logged, Summed, declared
 
 # Upper bound on attention-probability elements materialised at once (statistics, blocked output, masks).
 STATS_BLOCK_ELEMENTS = 1 << 22
@@ -50,22 +50,17 @@ def query_blocks(
 def attention_statistics(
     query: torch.Tensor,
     key: torch.Tensor,
-    scaling: float,
-    past: int,
-    visible_past: torch.Tensor | None,
-    needs: frozenset[str],
-    history: int = 0,
-    window: Window | None = None,
-    softcap: float | None = None,
+    access: KeyAccess,
+    collecting: Collecting = NOTHING,
     value: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The per-token statistics ``needs`` names from this step's attention, per KV head and key, as each is
-    declared (``kvbench.policies.statistics``):
+    """The per-token statistics ``collecting.needs`` names from this step's attention (its queries seeing its keys
+    as ``access`` says), per KV head and key, as each is declared (``kvbench.policies.statistics``):
 
     - each ``Summed`` one (``acc``, ``sumsq``, ...): its function of the probability, summed over the step's queries;
     - each ``Latest`` one (``last``): the last query's row;
     - the ``Logged`` one (``qlog`` [hkv, r, n] and ``qlog_nvis`` [hkv, r]): the rows of the step's last
-      r = min(q, history) queries and how many keys each of them could see (the layer keeps a ring of them);
+      r = min(q, collecting.history) queries and how many keys each of them could see (the layer keeps a ring of them);
     - ``output`` (only with ``value``): the attention output [1, q, hq, Dv] from the same probabilities.
 
     GQA: probabilities are computed per query head, then the query heads of a group are reduced to their
@@ -75,9 +70,9 @@ def attention_statistics(
     float32 holds that to its rounding as long as no exponential overflows and no row's sum underflows, and it saves
     two passes over every block. Where either happens the step is computed again the usual way.
     """
-    out = _blocked_pass(query, key, scaling, past, visible_past, needs, history, window, softcap, value, False)
+    out = _blocked_pass(query, key, access, collecting, value, False)
     if out is None:
-        out = _blocked_pass(query, key, scaling, past, visible_past, needs, history, window, softcap, value, True)
+        out = _blocked_pass(query, key, access, collecting, value, True)
         assert out is not None, "the shifted pass always stays in range"
     return out
 
@@ -94,10 +89,7 @@ class _Step:
     keys: torch.Tensor  # [hkv, dim, n]
     values: torch.Tensor | None  # [hkv, n, Dv]
     output: torch.Tensor | None  # [hkv, q, group, Dv], each block writes its own rows
-    past: int
-    visible_past: torch.Tensor | None
-    window: Window | None
-    softcap: float | None
+    access: KeyAccess
     summed: tuple[Summed, ...]
     latest: tuple[Latest, ...]
     log: str | None  # the query log's name, if it is kept
@@ -108,13 +100,8 @@ class _Step:
 def _blocked_pass(
     query: torch.Tensor,
     key: torch.Tensor,
-    scaling: float,
-    past: int,
-    visible_past: torch.Tensor | None,
-    needs: frozenset[str],
-    history: int,
-    window: Window | None,
-    softcap: float | None,
+    access: KeyAccess,
+    collecting: Collecting,
     value: torch.Tensor | None,
     shifted: bool,
 ) -> dict[str, torch.Tensor] | None:
@@ -124,22 +111,21 @@ def _blocked_pass(
     group = hq // hkv
     device = key.device
     # Rows in (query, head) order, so that a block's queries and its output are contiguous slices.
-    queries = (query[0].to(torch.float32) * scaling).view(hkv, group, q, dim).transpose(1, 2).contiguous()
+    queries = (query[0].to(torch.float32) * access.scaling).view(hkv, group, q, dim).transpose(1, 2).contiguous()
     keys = key[0].to(torch.float32).transpose(-1, -2).contiguous()  # [hkv, dim, n]: faster products than a view
     values = output = None
     if value is not None:
         values = value[0].to(torch.float32)
         output = torch.empty(hkv, q, group, values.shape[-1], device=device)
+    needs = collecting.needs
     logs = declared(needs, Logged)
     log = logs[0].name if logs else None
-    log_from = q - min(q, history) if log is not None else q
+    log_from = q - min(q, collecting.history) if log is not None else q
     summed, latest = declared(needs, Summed), declared(needs, Latest)
-    step = _Step(
-        queries, keys, values, output, past, visible_past, window, softcap, summed, latest, log, log_from, shifted
-    )
+    step = _Step(queries, keys, values, output, access, summed, latest, log, log_from, shifted)
     # Sums (and the output) need every query; the last row and the query log only the step's last queries.
     first = 0 if output is not None or summed else min(log_from, q - 1 if latest else q)
-    blocks = list(query_blocks(first, q, past, n, hq, window))
+    blocks = list(query_blocks(first, q, access.past, n, hq, access.window))
     parts = split_across_threads(lambda share: _attend_blocks(step, share), blocks, device)
     out = _empty_statistics(step, hkv, q, n)
     for part, in_range in parts:
@@ -166,11 +152,12 @@ def _attend_blocks(step: _Step, blocks: Sequence[tuple[int, int, int]]) -> tuple
     output, and whether every unshifted row sum stayed inside float32's range."""
     hkv, q, group, dim = step.queries.shape
     n = step.keys.shape[-1]
-    device, past = step.keys.device, step.past
+    device, access = step.keys.device, step.access
+    past = access.past
     out = _empty_statistics(step, hkv, q, n)
     if not blocks:
         return out, True
-    causal_only = step.visible_past is None and step.window is None
+    causal_only = access.visible is None and access.window is None
     largest = max((end - start) * (past + end - lo) for start, end, lo in blocks)
     most = max(end - start for start, end, _ in blocks)
     buffer = torch.empty(hkv * group * largest, device=device)  # each block's logits, then probabilities
@@ -181,13 +168,13 @@ def _attend_blocks(step: _Step, blocks: Sequence[tuple[int, int, int]]) -> tuple
         cols = hi - lo
         logits = buffer[: hkv * group * rows * cols].view(hkv, rows * group, cols)
         torch.bmm(step.queries[:, start:end].view(hkv, rows * group, dim), step.keys[:, :, lo:hi], out=logits)
-        grid = softcapped(logits, step.softcap).view(hkv, rows, group, cols)
+        grid = softcapped(logits, access.softcap).view(hkv, rows, group, cols)
         if causal_only:  # only the block's own keys are hidden, from the queries before them
             if rows > 1:
                 grid[..., past + start - lo :].masked_fill_(later[:rows, :, :rows], float("-inf"))
             nvis = torch.arange(past + start + 1, hi + 1, device=device, dtype=torch.float32).unsqueeze(0)
         else:
-            allowed = visibility(past, start, end, hi, step.visible_past, device, step.window, lo)  # [hkv or 1, r, c]
+            allowed = visibility(past, start, end, hi, access.visible, device, access.window, lo)  # [hkv or 1, r, c]
             grid.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
             nvis = allowed.sum(dim=-1).to(torch.float32)
         inverse = None

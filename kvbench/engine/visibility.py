@@ -53,3 +53,17 @@ def visibility(
     if window is not None:
         allowed = allowed & window.allowed(q_start, q_end, n, lo)
     return allowed
+
+
+@dataclass(frozen=True)
+class KeyAccess:
+    """How one step's queries see its keys, as every attention kernel reads it (built once per layer and step):
+    the family's ``scaling`` and logit ``softcap``, the ``past`` keys held before the step's queries, what the
+    layer hides (``visible``: [rows, past] for a prompt chunk, [rows, n] for a decode step; None: nothing) and
+    the sliding ``window`` (None: none)."""
+
+    scaling: float
+    past: int = 0
+    visible: torch.Tensor | None = None
+    window: Window | None = None
+    softcap: float | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,9 +21,9 @@ from transformers import AttentionInterface
 from kvbench.engine.attention import family_arguments
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
 from kvbench.engine.score_inputs import ATTRIBUTES, attention_weights
-from kvbench.engine.visibility import Window, visibility
+from kvbench.engine.visibility import KeyAccess, Window, visibility
 from kvbench.families import layer_windows
-from kvbench.policies.statistics import STATISTICS, attention_names
+from kvbench.policies.statistics import STATISTICS, Collecting, attention_names
 from kvbench.profile import measures
 
 PROFILE_ATTN = "kvbench_profile"
@@ -92,20 +92,14 @@ def profile_attention(
     if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         raise RuntimeError("profiling runs one sequence in one forward, without a cache")
     n, p = key.shape[2], recorder.prompt_length
-    window = _window(size, n, key.device)
-    output = attention_statistics(query, key, scaling, 0, None, frozenset(), 0, window, softcap, value)["output"]
-    profile = _profile(query, key, scaling, window, softcap, p, recorder)
-    prompt_window = _window(size, p, key.device)
+    access = KeyAccess(scaling, window=_window(size, n, key.device), softcap=softcap)
+    output = attention_statistics(query, key, access, value=value)["output"]
+    profile = _profile(query, key, access, p, recorder)
     end = attention_statistics(
         query[:, :, :p],
         key[:, :, :p],
-        scaling,
-        0,
-        None,
-        attention_names(STATISTICS),
-        recorder.history,
-        prompt_window,
-        softcap,
+        replace(access, window=_window(size, p, key.device)),
+        Collecting(attention_names(STATISTICS), recorder.history),
     )
     weights = attention_weights(module, frozenset(n for n, a in ATTRIBUTES.items() if hasattr(module, a)))
     prompt_end = PromptEnd(end, key[0, :, :p], value[0, :, :p], size, weights)
@@ -121,20 +115,15 @@ def _window(size: int | None, n: int, device: torch.device) -> Window | None:
 
 
 def _profile(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    scaling: float,
-    window: Window | None,
-    softcap: float | None,
-    prompt: int,
-    recorder: Recorder,
+    query: torch.Tensor, key: torch.Tensor, access: KeyAccess, prompt: int, recorder: Recorder
 ) -> LayerProfile:
     """The profile sums, one block of queries at a time (probabilities in float32, reduced to KV heads)."""
     _, hq, n, _ = query.shape
     hkv = key.shape[1]
     group = hq // hkv
     device = key.device
-    queries = query[0].to(torch.float32) * scaling
+    window = access.window
+    queries = query[0].to(torch.float32) * access.scaling
     keys = key[0].to(torch.float32).repeat_interleave(group, dim=0)
     levels = measures.COVERAGE_LEVELS
     sums = {name: torch.zeros(hkv, dtype=torch.float64, device=device) for name in ("entropy", "sink", "recent")}
@@ -143,7 +132,7 @@ def _profile(
     future = torch.zeros(hkv, prompt, dtype=torch.float64, device=device)
     mean_row = torch.full((1, group), 1.0 / group, device=device)
     for start, end, lo in query_blocks(0, n, 0, n, hq, window):
-        logits = softcapped(torch.matmul(queries[:, start:end], keys[:, lo:end].transpose(1, 2)), softcap)
+        logits = softcapped(torch.matmul(queries[:, start:end], keys[:, lo:end].transpose(1, 2)), access.softcap)
         allowed = visibility(0, start, end, end, None, device, window, lo)[0]  # [rows, cols]
         probs = logits.masked_fill_(~allowed, float("-inf")).softmax(dim=-1)
         if group > 1:  # GQA: the group's mean, as a product (faster on CPU than a mean over the middle axis)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvbench.engine import blocked
-from kvbench.engine.visibility import Window
+from kvbench.engine.visibility import KeyAccess, Window
+from kvbench.policies.statistics import Collecting
 
 NEEDS = frozenset({"acc", "sumsq", "last", "qlog"})
 HISTORY = 3
@@ -73,15 +74,14 @@ def test_blocked_pass_equals_numpy(case, block, monkeypatch):
         assert (window is None) or any(lo > 0 for _, _, lo in schedule)
     if block == 400 and window is None:
         assert 1 < len(schedule) < q  # blocks of several queries, each straddling the diagonal
-    got = blocked.attention_statistics(t(Q), t(K), d**-0.5, past, hidden, NEEDS, HISTORY, win, softcap, t(V))
+    access = KeyAccess(d**-0.5, past, hidden, win, softcap)
+    got = blocked.attention_statistics(t(Q), t(K), access, Collecting(NEEDS, HISTORY), t(V))
     for name, ref in expected.items():
         value = got[name][0] if name == "output" else got[name]
         np.testing.assert_allclose(value.double().numpy(), ref, rtol=2e-5, atol=2e-6, err_msg=name)
     # Each statistic alone (the sums alone skip the group's mean rows; the last rows alone skip the rest).
     for need in ("acc", "sumsq", "last", "qlog"):
-        alone = blocked.attention_statistics(
-            t(Q), t(K), d**-0.5, past, hidden, frozenset({need}), HISTORY, win, softcap
-        )
+        alone = blocked.attention_statistics(t(Q), t(K), access, Collecting(frozenset({need}), HISTORY))
         assert set(alone) == {need} | ({"qlog_nvis"} if need == "qlog" else set())
         for name, value in alone.items():
             np.testing.assert_allclose(value.double().numpy(), expected[name], rtol=2e-5, atol=2e-6, err_msg=name)
@@ -116,13 +116,13 @@ def test_logits_beyond_float32_exponentials_are_computed_again_shifted(extreme, 
     )  # every logit below -100: each row's sum underflows
     expected = numpy_attention(Q, K, V, 0, np.arange(q), np.arange(q), None, None, None)
     t = lambda a: torch.tensor(a).unsqueeze(0)  # noqa: E731
-    got = blocked.attention_statistics(t(Q), t(K), d**-0.5, 0, None, NEEDS, HISTORY, value=t(V))
+    got = blocked.attention_statistics(t(Q), t(K), KeyAccess(d**-0.5), Collecting(NEEDS, HISTORY), t(V))
     assert calls == [False, True]
     for name, ref in expected.items():
         value = got[name][0] if name == "output" else got[name]
         np.testing.assert_allclose(value.double().numpy(), ref, rtol=2e-5, atol=2e-6, err_msg=name)
     calls.clear()
-    blocked.attention_statistics(t(Q / 100), t(K), d**-0.5, 0, None, NEEDS, HISTORY, value=t(V))
+    blocked.attention_statistics(t(Q / 100), t(K), KeyAccess(d**-0.5), Collecting(NEEDS, HISTORY), t(V))
     assert calls == [False]  # ordinary logits: one pass
 
 
@@ -142,7 +142,7 @@ def test_blocks_split_across_threads_give_the_one_thread_statistics(monkeypatch)
         for threads in (1, 3):
             torch.set_num_threads(threads)
             with torch.inference_mode():
-                results[threads] = blocked.attention_statistics(Q, K, 8**-0.5, 0, None, NEEDS, HISTORY, value=V)
+                results[threads] = blocked.attention_statistics(Q, K, KeyAccess(8**-0.5), Collecting(NEEDS, HISTORY), V)
             assert torch.get_num_threads() == threads
             if torch.backends.mkl.is_available():  # the threads' one-thread setting is global to MKL
                 assert f"mkl_get_max_threads() : {threads}" in torch.__config__.parallel_info()

@@ -336,7 +336,8 @@ def test_statistics_and_output_are_the_softcapped_windowed_attention_numpy_compu
     import numpy as np
 
     from kvbench.engine import attention, blocked
-    from kvbench.engine.visibility import Window
+    from kvbench.engine.visibility import KeyAccess, Window
+    from kvbench.policies.statistics import Collecting
 
     monkeypatch.setattr(blocked, "STATS_BLOCK_ELEMENTS", block)
     rng = np.random.default_rng(3)
@@ -353,14 +354,9 @@ def test_statistics_and_output_are_the_softcapped_windowed_attention_numpy_compu
     got = attention.attention_statistics(
         t(Q),
         t(K),
-        d**-0.5,
-        past,
-        None,
-        frozenset({"acc", "sumsq", "last", "qlog"}),
-        history=3,
-        window=win,
-        softcap=cap,
-        value=t(V),
+        KeyAccess(d**-0.5, past, window=win, softcap=cap),
+        Collecting(frozenset({"acc", "sumsq", "last", "qlog"}), history=3),
+        t(V),
     )
     np.testing.assert_allclose(got["acc"], group_mean.sum(1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["sumsq"], (group_mean**2).sum(1), rtol=1e-5, atol=1e-6)
@@ -371,7 +367,7 @@ def test_statistics_and_output_are_the_softcapped_windowed_attention_numpy_compu
     # The decode step (the chunk's last query alone over every key) computes the same row and output.
     last = Window(window, torch.tensor(k_pos).unsqueeze(0), torch.tensor(q_pos[-1:]).unsqueeze(0))
     output, stats = attention.decode_attention(
-        t(Q[:, -1:]), t(K), t(V), d**-0.5, None, frozenset({"acc"}), window=last, softcap=cap
+        t(Q[:, -1:]), t(K), t(V), KeyAccess(d**-0.5, window=last, softcap=cap), Collecting(frozenset({"acc"}))
     )
     np.testing.assert_allclose(stats["acc"], group_mean[:, -1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(output[0, 0], out[:, -1], rtol=1e-5, atol=1e-5)

@@ -30,12 +30,13 @@ from test_score_view import numpy_keydiff, padded_view
 from kvbench.engine import blocked
 from kvbench.engine.attention import decode_attention
 from kvbench.engine.engine import DecodeSettings
+from kvbench.engine.visibility import KeyAccess
 from kvbench.policies.base import Policy, Score
 from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.state import TokenState
-from kvbench.policies.statistics import STATISTICS, Summed, declare, forget
+from kvbench.policies.statistics import STATISTICS, Collecting, Summed, declare, forget
 from kvbench.report.cli import main as report_main
 
 GUIDE = REPO / "docs" / "extending.md"
@@ -164,7 +165,7 @@ def test_the_guides_statistic_in_a_prompt_chunk_equals_numpy(entropy, block, mon
     probs = (probs / probs.sum(-1, keepdims=True)).reshape(hkv, hq // hkv, q, q).mean(1)  # the GQA group's mean
     t = lambda a: torch.tensor(a).unsqueeze(0)  # noqa: E731
     for value in (None, t(V)):  # statistics alone, and with the output from the same probabilities
-        got = blocked.attention_statistics(t(Q), t(K), d**-0.5, 0, None, frozenset({entropy}), 0, None, None, value)
+        got = blocked.attention_statistics(t(Q), t(K), KeyAccess(d**-0.5), Collecting(frozenset({entropy})), value)
         np.testing.assert_allclose(got[entropy].double().numpy(), numpy_entropy(probs), atol=2e-5)
 
 
@@ -173,7 +174,9 @@ def test_the_guides_statistic_in_a_decode_step_equals_numpy(entropy) -> None:
     g = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(*s, generator=g) for s in ((b, hq, 1, d), (b, hkv, n, d), (b, hkv, n, d)))
     visible = torch.rand(b * hkv, n, generator=g) > 0.3
-    _, stats = decode_attention(query, key, value, d**-0.5, visible, frozenset({entropy}))
+    _, stats = decode_attention(
+        query, key, value, KeyAccess(d**-0.5, visible=visible), Collecting(frozenset({entropy}))
+    )
     logits = torch.einsum("bhd,bhnd->bhn", query[:, :, 0].double(), key.double().repeat_interleave(2, dim=1))
     logits = logits.masked_fill(~visible.view(b, hkv, 1, n).repeat_interleave(2, dim=1).view(b, hq, n), -np.inf)
     probs = (logits * d**-0.5).softmax(dim=-1).view(b * hkv, 2, 1, n).mean(dim=1).numpy()

@@ -92,6 +92,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kvbench.engine.attention import attention_statistics, decode_attention  # noqa: E402
+from kvbench.engine.visibility import KeyAccess  # noqa: E402
 from kvbench.policies.allocations.adaptive import Adaptive  # noqa: E402
 from kvbench.policies.allocations.pyramid import Pyramid  # noqa: E402
 from kvbench.policies.base import Allocation, Score  # noqa: E402
@@ -107,6 +108,7 @@ from kvbench.policies.scores.mean import Mean  # noqa: E402
 from kvbench.policies.scores.shared import SharedAcrossHeads  # noqa: E402
 from kvbench.policies.scores.snapkv import SnapKV, pool_neighbours  # noqa: E402
 from kvbench.policies.scores.value_aware import ValueAware  # noqa: E402
+from kvbench.policies.statistics import Collecting  # noqa: E402
 
 RNG = np.random.default_rng(7)
 H, N, W = 2, 10, 4
@@ -363,7 +365,11 @@ def test_decode_attention_gives_sdpa_output_and_the_reference_statistics(masked)
     t = lambda a: torch.tensor(a).float().unsqueeze(0)  # noqa: E731
     allowed = torch.cat([torch.tensor(visible), torch.ones(2, 1, dtype=torch.bool)], 1)
     output, got = decode_attention(
-        t(q), t(k), t(v), 8**-0.5, allowed if masked else None, frozenset({"acc", "sumsq", "last", "qlog"}), history=4
+        t(q),
+        t(k),
+        t(v),
+        KeyAccess(8**-0.5, visible=allowed if masked else None),
+        Collecting(frozenset({"acc", "sumsq", "last", "qlog"}), history=4),
     )
     for name, ref in expected.items():
         np.testing.assert_allclose(got[name].numpy(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -383,14 +389,12 @@ def test_attention_statistics_match_dense_reference_in_any_block_size(block, mon
     q, k = rng.normal(size=(4, 5, 8)), rng.normal(size=(2, 9, 8))
     visible = np.array([[True, False, True, True], [False, True, True, True]])
     expected = np_statistics(q, k, 4, visible, history=3)
+    access = KeyAccess(8**-0.5, 4, torch.tensor(visible))
     got = attention_statistics(
         torch.tensor(q).float().unsqueeze(0),
         torch.tensor(k).float().unsqueeze(0),
-        8**-0.5,
-        4,
-        torch.tensor(visible),
-        frozenset({"acc", "sumsq", "last", "qlog"}),
-        history=3,
+        access,
+        Collecting(frozenset({"acc", "sumsq", "last", "qlog"}), history=3),
     )
     for name, ref in expected.items():
         np.testing.assert_allclose(got[name].numpy(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -399,11 +403,8 @@ def test_attention_statistics_match_dense_reference_in_any_block_size(block, mon
         got = attention_statistics(
             torch.tensor(q).float().unsqueeze(0),
             torch.tensor(k).float().unsqueeze(0),
-            8**-0.5,
-            4,
-            torch.tensor(visible),
-            frozenset(needs),
-            history=3,
+            access,
+            Collecting(frozenset(needs), history=3),
         )
         assert set(got) == set(needs) | ({"qlog_nvis"} if "qlog" in needs else set())
         for name in got:
@@ -455,7 +456,9 @@ def test_batched_decode_attention_is_each_sequences_own():
     visible[:, -1] = True
     needs = frozenset({"acc", "sumsq", "last", "qlog"})
     t = lambda a: torch.tensor(a).float()  # noqa: E731
-    output, got = decode_attention(t(q), t(k), t(v), dim**-0.5, torch.tensor(visible), needs, history=2)
+    output, got = decode_attention(
+        t(q), t(k), t(v), KeyAccess(dim**-0.5, visible=torch.tensor(visible)), Collecting(needs, history=2)
+    )
     for i in range(b):
         rows = slice(i * hkv, (i + 1) * hkv)
         expected = np_statistics(q[i], k[i], n - 1, visible[rows, :-1], history=2)

@@ -23,7 +23,9 @@ import importlib
 import pkgutil
 
 from kvbench.policies.statistics.declared import (
+    NOTHING,
     STATISTICS,
+    Collecting,
     FromPositions,
     Latest,
     Logged,
@@ -38,7 +40,9 @@ from kvbench.policies.statistics.declared import (
 )
 
 __all__ = [
+    "NOTHING",
     "STATISTICS",
+    "Collecting",
     "FromPositions",
     "Latest",
     "Logged",

@@ -69,6 +69,18 @@ class Merged(Statistic):
     fold = "sum"
 
 
+@dataclass(frozen=True)
+class Collecting:
+    """What one step's attention collects for its policy: the statistics ``needs`` names and, for a ``Logged``
+    one, the rows of the last ``history`` queries (built once per layer and step)."""
+
+    needs: frozenset[str] = frozenset()
+    history: int = 0
+
+
+NOTHING = Collecting()  # a policy that reads no attention statistics, or a step after which none evicts
+
+
 S = TypeVar("S", bound=Statistic)
 STATISTICS: dict[str, Statistic] = {}
 _PLACES: dict[str, str] = {}
