@@ -51,7 +51,7 @@ def support_error(config: Any) -> str | None:
         return (
             f"model family {family!r} ({cls.__name__}) computes attention in its own code, not through "
             "transformers' attention interface, so kvbench could neither see nor evict its cache; use a family "
-            "listed in the README's family table"
+            "listed in docs/models.md's family table"
         )
     from kvbench.engine.attention import PASSIVE_ARGUMENTS
 
@@ -61,12 +61,13 @@ def support_error(config: Any) -> str | None:
         if missing:
             return (
                 f"model family {family!r} hands its attention {', '.join(missing)}, which kvbench's attention "
-                "does not implement (e.g. learned attention sinks); use a family listed in the README's table"
+                "does not implement (e.g. learned attention sinks); use a family listed in docs/models.md's family "
+                "table"
             )
         if "sliding_window" not in arguments and any(w is not None for w in layer_windows(config)):
             return (
                 f"model family {family!r} applies its sliding window through the mask alone, which kvbench "
-                "does not read; use a family listed in the README's family table"
+                "does not read; use a family listed in docs/models.md's family table"
             )
     unknown = sorted(set(getattr(text_config(config), "layer_types", None) or ()) - set(LAYER_TYPES))
     if unknown:

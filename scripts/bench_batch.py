@@ -1,6 +1,6 @@
 """Batched decoding and what the memory saved buys: SmolLM2 float32 by default, 1k-token prompts, 64 new tokens.
 
-    python scripts/bench_batch.py                    # the README's table (about 25 minutes on 2 CPU cores)
+    python scripts/bench_batch.py                    # docs/perf/batch.md (about 25 minutes on 2 CPU cores)
     python scripts/bench_batch.py --model tiny-llama --context 128 --new-tokens 8 --rounds 1 --out /tmp/b  # seconds
     python scripts/bench_batch.py --device cuda --out /tmp/b    # the same on a GPU
     python scripts/bench_batch.py --parts capacity   # one part; the others keep their figures from the JSON

@@ -2,10 +2,10 @@
 context under a fixed budget, what each policy's statistics cost, prefill peak memory, and every
 decode speed as a fraction of the memory-bandwidth floor (weight bytes per token / read bandwidth).
 
-    python scripts/bench_engine.py                      # SmolLM2, the README's table
+    python scripts/bench_engine.py                      # SmolLM2, docs/perf/engine.md
     python scripts/bench_engine.py --model tiny-llama --contexts 256 512 --policy-context 512 --overhead-context 256 \
         --memory-contexts 256 --budget 64 --stride 128 --new-tokens 8 --repeats 1 --out /tmp/bench   # seconds
-    python scripts/bench_engine.py --prefill                      # the README's prefill table, SmolLM2
+    python scripts/bench_engine.py --prefill                      # SmolLM2, docs/perf/prefill.md's tables
     python scripts/bench_engine.py --prefill --model gemma3-270m --prefill-contexts 8192 16384 32768 --strides 0
 
 After a warm-up: the overhead comparison takes the median of ``--overhead-repeats`` whole runs of each,

@@ -1,6 +1,6 @@
 """kvbench against transformers' ``generate`` on one model, and every named policy's decode step, interleaved.
 
-    python scripts/bench_model.py --model gemma3-270m                 # the README's Gemma 3 270M figures
+    python scripts/bench_model.py --model gemma3-270m                 # docs/perf/gemma3-270m.md's figures
     python scripts/bench_model.py --model smollm2-135m --context 1024
 
 The overhead comparison alternates whole runs of ``generate`` and of kvbench's full cache (median of

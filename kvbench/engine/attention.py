@@ -114,7 +114,7 @@ def family_arguments(layer_idx: int, kwargs: dict, planned_window: int | None) -
     if unknown:
         raise ValueError(
             f"the model's attention asks for {', '.join(unknown)}, which kvbench does not implement; "
-            "this model family is not supported (see the README's family table)"
+            "this model family is not supported (see docs/models.md's family table)"
         )
     if window != planned_window:
         raise RuntimeError(
