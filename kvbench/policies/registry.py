@@ -18,6 +18,7 @@ A score may carry ``shared: true`` (one kept set per layer: the score averaged o
 from __future__ import annotations
 
 import inspect
+import typing
 from typing import Any, TypeVar
 
 from kvbench.policies.base import Policy
@@ -27,6 +28,7 @@ from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scores.shared import SharedAcrossHeads
 from kvbench.policies.statistics import STATISTICS
 from kvbench.registry import Registry
+from kvbench.tasks.options import describe
 
 P = TypeVar("P")
 POLICY_KEYS = ("name", "score", "scope", "allocation", "merge", "quantize", "positions", "sliding_layers")
@@ -45,8 +47,27 @@ def _part(table: Registry[type[P]], spec: Any) -> P:
     unknown = sorted(set(options) - set(params) - {"self"})
     if unknown:
         allowed = sorted(p for p in params if p not in ("self", "args", "kwargs"))
-        raise ValueError(f"{what} {kind!r} has no option {', '.join(unknown)}; its options are {allowed or 'none'}")
+        raise ValueError(
+            f"{what} {kind!r} has no option {', '.join(unknown)}; its options are {', '.join(allowed) or 'none'}"
+        )
+    hints = typing.get_type_hints(cls.__init__)
+    for key, value in options.items():
+        if key in hints and not _accepts(hints[key], value):
+            raise ValueError(f"{what}.{key}={value!r} must be {describe(hints[key])}")
     return cls(**options)
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    """Whether ``value`` fits a plain type hint (int, float, str, bool or a union of them; an int is a float);
+    any other hint is left to the part."""
+    types = typing.get_args(hint) or (hint,)
+    if not all(isinstance(t, type) for t in types):
+        return True
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
 
 
 def _flag(value: Any, what: str) -> bool:

@@ -28,7 +28,7 @@ from kvbench.report.labels import shared_settings
 from kvbench.report.load import Loaded, load_rows
 from kvbench.report.paired import paired_differences, paired_markdown
 from kvbench.report.plots import budget_figure, pareto_figure, save_figure
-from kvbench.report.style import lower_is_better, metric_label, sort_stages
+from kvbench.report.style import is_baseline, lower_is_better, metric_label, sort_stages
 from kvbench.report.tables import markdown_table, quality_csv, quality_markdown
 from kvbench.results.schema import (
     CELL,
@@ -208,6 +208,7 @@ def build_report(
     stats.to_csv(out_dir / "cells.csv", index=False)
 
     ok = int(rows[STATUS].eq(STATUS_OK).sum())
+    dashed = "; the dashed line is the full cache" if rows[POLICY].map(is_baseline).any() else ""
     parts = [
         "# kvbench report",
         "",
@@ -215,7 +216,7 @@ def build_report(
         + ", ".join(f"`{root}`" for root in roots)
         + f". Quality: {', '.join(sorted(set(names.values())))}. "
         f"Error bars: 95 % percentile bootstrap over examples ({n_boot} resamples, seed {seed}). "
-        "x = mean achieved budget of the cell; the dashed line is the full cache.",
+        f"x = mean achieved budget of the cell{dashed}.",
     ]
     shared = shared_settings(rows)
     if shared:

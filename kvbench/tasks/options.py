@@ -76,6 +76,8 @@ def describe(hint: Any) -> str:
         return f"{describe(rest[0]) if len(rest) == 1 else 'a value'} or null"
     if typing.get_origin(hint) is list:
         return f"a list of {_plural(describe(args[0]))}" if args else "a list"
+    if args and set(args) <= {int, float}:
+        return "a number"
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return f"settings ({', '.join(sorted(_option_fields(hint)))})"
     return {bool: "true or false", int: "an integer", float: "a number", str: "text"}.get(hint, f"a {hint}")

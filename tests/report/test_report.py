@@ -298,6 +298,7 @@ def test_partial_sweep_lists_missing_cells_and_counts_errors(
     ):
         assert cell in coverage
     assert "4 missing cells" in coverage
+    assert "dashed line" not in report  # no full-cache cell, so no dashed line to explain
     assert "| m | retrieval | prefill | h2o | 20% | 3 | 1 | CUDA out of memory |" in coverage
     assert "m / retrieval / prefill / snapkv / 50%" in capsys.readouterr().err
     rows_read = load_rows([tmp_path / "sweep"]).rows
@@ -325,6 +326,7 @@ def test_cli_writes_png_pdf_csv_and_markdown(tmp_path: Path) -> None:
         assert (out / f"{stem}.pdf").read_bytes()[:5] == b"%PDF-"
         assert f"]({stem}.png)" in report
     assert "| roco |" in report and (out / "quality_table.md").exists()
+    assert "the dashed line is the full cache" in report
     assert set(pd.read_csv(out / "quality_table.csv")["policy"]) == {"full", "h2o", "roco"}
     assert set(pd.read_csv(out / "cells.csv")["quantity"]) >= {"score", "kv_resident_bytes", "ttft_s"}
 

@@ -158,6 +158,13 @@ CASES = [
         ["policy=h2o", "policy.scope.window=1.5"],
         "policy=h2o: scope.window=1.5 must be a fraction in [0, 1] of the budget or an integer count",
     ),
+    # A part's options are typed by its __init__'s hints, and a key it does not take is refused with its options.
+    (["policy=h2o", "policy.scope.window=abc"], "policy=h2o: scope.window='abc' must be a number"),
+    (["policy=h2o", "policy.scope.n_sink=1.5"], "policy=h2o: scope.n_sink=1.5 must be an integer"),
+    (
+        ["policy=h2o", "+policy.scope.windw=1"],
+        "policy=h2o: scope 'sinks_window' has no option windw; its options are n_sink, window",
+    ),
     # Policy.unsupported_stages: SnapKV scores from the prompt's observation window, so it only compresses a prompt.
     (["policy=snapkv", "stage=decode"], "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']"),
 ]
