@@ -1,7 +1,7 @@
 """The README's policy and task tables, rendered from ``configs/`` so that they cannot drift from what runs.
 
 A group file's leading comment block describes it: the first sentence is its summary, and a line
-``# paper: ...``, ``# data: ...`` or ``# scored by: ...`` fills that column (comments, so the configs keep only
+``# paper: ...``, ``# kvpress: ...`` (the peer's press), ``# data: ...`` or ``# scored by: ...`` fills that column (comments, so the configs keep only
 keys the schema knows). Each table sits in README.md between ``<!-- BEGIN <name> ... -->`` and
 ``<!-- END <name> -->``. ``python -m kvbench.docs_tables`` exits 1 when they differ from the configs;
 ``--write`` rewrites them. ``tests/test_docs.py`` runs the same comparison.
@@ -24,7 +24,7 @@ from kvbench.config.schema import PolicyConfig
 from kvbench.config.store import defaults_node
 
 REPO = Path(__file__).resolve().parent.parent
-META_KEYS = ("paper", "data", "scored by")
+META_KEYS = ("paper", "kvpress", "data", "scored by")
 # Where a dataset task's rows live: shown in the data column, not among the options.
 HUB_KEYS = ("name", "source", "columns")
 ARXIV = re.compile(r"arXiv:(\d{4}\.\d{4,5})")
@@ -125,11 +125,14 @@ def described(group: str, configs: Path) -> list[Described]:
 def policy_table(configs: Path) -> str:
     defaults = OmegaConf.to_container(defaults_node(PolicyConfig))
     assert isinstance(defaults, dict)
-    rows = ["| policy | in short | score | scope | allocation | paper |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| policy | in short | score | scope | allocation | paper | kvpress |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for d in described("policy", configs):
         parts = [part(d.values.get(name, defaults[name])) for name in ("score", "scope", "allocation")]
-        paper = d.meta.get("paper", "")
-        rows.append(f"| `{d.choice}` | {cell(d.summary)} | {' | '.join(parts)} | {cell(paper)} |")
+        paper, press = d.meta.get("paper", ""), d.meta.get("kvpress", "")
+        rows.append(f"| `{d.choice}` | {cell(d.summary)} | {' | '.join(parts)} | {cell(paper)} | {f'`{press}`' if press else ''} |")
     return "\n".join(rows)
 
 

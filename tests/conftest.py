@@ -5,13 +5,17 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import yaml
 from omegaconf import OmegaConf
 
 from kvbench.models import LoadedModel, load_model
 from kvbench.registry import Registry
+from kvbench.tasks.base import Task
+from kvbench.tasks.registry import build_task
 
 # Tests never reach the Hugging Face hub: local files only, and nothing may hang on a network call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,6 +24,13 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in its own folder: a cell's default ``results_dir`` (and its stored references) is
+    relative, and a test must neither write into the checkout nor read what an earlier run left there."""
+    monkeypatch.chdir(tmp_path)
 
 
 # The named policies' token counts are sized for real prompts; tests on tiny prompts (tens of tokens) cap every
@@ -111,3 +122,12 @@ def names_a_test_registers_are_forgotten() -> Iterator[None]:
     for registry, names in before.items():
         for name in set(registry.names()) - names:
             registry.unregister(name)
+
+
+def task_from_config(name: str, **options: Any) -> Task:
+    """The task as its config declares it (hub source, columns), with ``options`` changed."""
+    cfg = yaml.safe_load((REPO / "configs" / "task" / f"{name}.yaml").read_text())
+    cfg.pop("fidelity", None)
+    task = build_task({**cfg, **options})
+    assert isinstance(task, Task)
+    return task

@@ -17,13 +17,12 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, task_from_config
 
 from kvbench import embedded
 from kvbench.embedded import GEMMA3_270M, embedded_checkpoint, embedded_package_error
 from kvbench.models import load_tokenizer, tiny_tokenizer
 from kvbench.tasks.prompting import render_ids
-from kvbench.tasks.summarization import XSum
 from kvbench.tokenizer_check import check_tokenizer, tokenizer_problem
 
 XSUM = SHARED_DATA / "xsum"
@@ -178,7 +177,7 @@ def test_gemma_has_no_chat_template_and_tasks_feed_plain_prompts(gemma):
         == tok(text)["input_ids"]
         == [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
     )
-    task = XSum(data_dir=str(XSUM), n=1, max_prompt_tokens=None)
+    task = task_from_config("xsum", data_dir=str(XSUM), n=1, max_prompt_tokens=None)
     example = task.examples()[0]
     assert not task.uses_chat(example, tok)
     rendered = task.render(example, tok)

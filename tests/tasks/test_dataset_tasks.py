@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO, SHARED_DATA
+from conftest import REPO, SHARED_DATA, task_from_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from kvbench.tasks import datasets as data
-from kvbench.tasks.base import Task
 from kvbench.tasks.longbench import SUBSETS, LongBench
 from kvbench.tasks.registry import build_task
 
@@ -57,15 +56,6 @@ def make_tokenizer(chat_template: str | None = CHAT) -> PreTrainedTokenizerFast:
     return tok
 
 
-def from_config(name: str, **options: Any) -> Any:
-    """The task as its config declares it (hub source, columns), with ``options`` changed."""
-    cfg = yaml.safe_load((ROOT / "configs" / "task" / f"{name}.yaml").read_text())
-    cfg.pop("fidelity", None)
-    task = build_task({**cfg, **options})
-    assert isinstance(task, Task)
-    return task
-
-
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
     return make_tokenizer()
@@ -103,23 +93,23 @@ def longbench_row(i: int, **extra: Any) -> dict[str, Any]:
 
 @needs_data
 def test_summarization_datasets_load_from_shared_data() -> None:
-    xsum = from_config("xsum", data_dir=str(DATA / "xsum"), n=None)
+    xsum = task_from_config("xsum", data_dir=str(DATA / "xsum"), n=None)
     rows = data.read_jsonl(DATA / "xsum" / "test.jsonl")
     examples = xsum.examples()
     assert len(examples) == len(rows) == 1000
     assert examples[0].id == rows[0]["id"] and examples[0].references == [rows[0]["summary"]]
     assert rows[0]["document"].strip() in examples[0].prompt
-    cnn = from_config("cnn_dailymail", data_dir=str(DATA / "cnn_dailymail"), split="validation", n=3)
+    cnn = task_from_config("cnn_dailymail", data_dir=str(DATA / "cnn_dailymail"), split="validation", n=3)
     first = cnn.examples()[0]
     assert len(cnn.examples()) == 3 and "\n" in first.references[0]  # highlights joined by newlines
-    assert len(from_config("cnn_dailymail", data_dir=str(DATA / "cnn_dailymail"), n=None).examples()) == 344
+    assert len(task_from_config("cnn_dailymail", data_dir=str(DATA / "cnn_dailymail"), n=None).examples()) == 344
 
 
 @needs_data
 @pytest.mark.parametrize("subset", ["trec", "multifieldqa_zh", "passage_retrieval_zh", "samsum", "lcc", "gov_report"])
 def test_longbench_subsets_load_from_shared_data(subset: str) -> None:
     rows = data.read_jsonl(DATA / "longbench" / f"{subset}.jsonl")
-    examples = from_config("longbench", subset=subset, data_dir=str(DATA / "longbench"), n=None).examples()
+    examples = task_from_config("longbench", subset=subset, data_dir=str(DATA / "longbench"), n=None).examples()
     assert len(examples) == len(rows)
     assert [e.references for e in examples] == [r["answers"] for r in rows]
     assert all(r["context"] in e.prompt for e, r in zip(examples, rows))
@@ -133,9 +123,9 @@ def test_local_hub_format_files(tmp_path: Path) -> None:
         tmp_path / "test.jsonl", [{"document": f"Doc {i}.", "summary": f"Sum {i}.", "id": str(i)} for i in range(5)]
     )
     write_jsonl(tmp_path / "hotpotqa.jsonl", [longbench_row(i) for i in range(4)])
-    xs = from_config("xsum", data_dir=str(tmp_path), n=None).examples()
+    xs = task_from_config("xsum", data_dir=str(tmp_path), n=None).examples()
     assert [e.id for e in xs] == ["0", "1", "2", "3", "4"] and xs[2].references == ["Sum 2."]
-    lb = from_config("longbench", subset="hotpotqa", data_dir=str(tmp_path), n=2, seed=3).examples()
+    lb = task_from_config("longbench", subset="hotpotqa", data_dir=str(tmp_path), n=2, seed=3).examples()
     assert len(lb) == 2 and all(e.id.startswith("id") for e in lb)
 
 
@@ -171,14 +161,14 @@ def test_the_config_declares_where_the_rows_live(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(data, "_hub_offline", lambda: True)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    (doc,) = from_config("xsum", n=None).examples()
+    (doc,) = task_from_config("xsum", n=None).examples()
     assert doc.id == "x" and doc.references == ["Sum."] and "Doc." in doc.prompt
-    (art,) = from_config("cnn_dailymail", split="validation", n=None).examples()
+    (art,) = task_from_config("cnn_dailymail", split="validation", n=None).examples()
     assert art.id == "y" and art.references == ["H."] and "Art." in art.prompt
-    (row,) = from_config("longbench", subset="hotpotqa", n=None).examples()
+    (row,) = task_from_config("longbench", subset="hotpotqa", n=None).examples()
     assert row.id == "id7" and row.references == ["Ann 7"] and "Who wrote note 7?" in row.prompt
     columns = {"text": "summary", "reference": "summary", "id": None}
-    mirror = from_config("xsum", n=None, source={"repo": "me/xsum-mirror"}, columns=columns)
+    mirror = task_from_config("xsum", n=None, source={"repo": "me/xsum-mirror"}, columns=columns)
     rows = mirror.examples()
     assert [(ex.id, ex.references) for ex in rows] == [("0", ["Sum."]), ("1", ["Sum."])]
     assert "Article:\nSum." in rows[0].prompt  # the text column as the override says
@@ -194,7 +184,7 @@ def test_sampling_is_deterministic_by_seed(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "test.jsonl", [{"document": "d", "summary": "s", "id": str(i)} for i in range(50)])
 
     def ids(**kw: Any) -> list[str]:
-        return [e.id for e in from_config("xsum", data_dir=str(tmp_path), **kw).examples()]
+        return [e.id for e in task_from_config("xsum", data_dir=str(tmp_path), **kw).examples()]
 
     assert ids(n=7, seed=1) == ids(n=7, seed=1)
     assert ids(n=7, seed=1) != ids(n=7, seed=2)
@@ -205,25 +195,29 @@ def test_sampling_is_deterministic_by_seed(tmp_path: Path) -> None:
 
 def test_missing_local_file_names_the_fix(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"task\.data_dir=.*test\.jsonl"):
-        from_config("xsum", data_dir=str(tmp_path)).validate()
+        task_from_config("xsum", data_dir=str(tmp_path)).validate()
     with pytest.raises(FileNotFoundError, match=r"task\.data_dir=.*qasper\.jsonl"):
-        from_config("longbench", subset="qasper", data_dir=str(tmp_path)).examples()
+        task_from_config("longbench", subset="qasper", data_dir=str(tmp_path)).examples()
 
 
 def test_a_bad_line_of_a_local_file_names_its_file_and_line(tmp_path: Path) -> None:
     good = json.dumps({"id": "a", "document": "Some text.", "summary": "Text."})
     (tmp_path / "test.jsonl").write_text(f"{good}\n\n{{not json\n")
     with pytest.raises(ValueError, match=r"test\.jsonl:3: not valid JSON .*fix or remove the line"):
-        from_config("xsum", data_dir=str(tmp_path)).examples()
+        task_from_config("xsum", data_dir=str(tmp_path)).examples()
     (tmp_path / "test.jsonl").write_text(f"{good}\n[1, 2]\n")
     with pytest.raises(ValueError, match=r"test\.jsonl:2: each line must be one JSON object"):
-        from_config("xsum", data_dir=str(tmp_path)).examples()
+        task_from_config("xsum", data_dir=str(tmp_path)).examples()
 
 
 def test_unreachable_hub_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(data, "_hub_offline", lambda: False)
     monkeypatch.setattr(data, "_hub_reachable", lambda: False)
-    for task in (from_config("xsum"), from_config("cnn_dailymail"), from_config("longbench", subset="lsht")):
+    for task in (
+        task_from_config("xsum"),
+        task_from_config("cnn_dailymail"),
+        task_from_config("longbench", subset="lsht"),
+    ):
         with pytest.raises(FileNotFoundError, match=r"unreachable.*task\.data_dir="):
             task.validate()
 
@@ -237,7 +231,7 @@ def test_offline_hub_with_empty_cache_fails_with_the_fix(monkeypatch: pytest.Mon
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    for task in (from_config("xsum"), from_config("longbench", subset="trec")):
+    for task in (task_from_config("xsum"), task_from_config("longbench", subset="trec")):
         task.validate()  # offline mode skips the reachability probe and trusts the cache
         with pytest.raises(FileNotFoundError, match=r"cannot load it from the Hugging Face hub.*task\.data_dir="):
             task.examples()
@@ -245,11 +239,11 @@ def test_offline_hub_with_empty_cache_fails_with_the_fix(monkeypatch: pytest.Mon
 
 def test_bad_options() -> None:
     with pytest.raises(ValueError, match=r"task\.columns\.reference must name the rows' reference column"):
-        from_config("xsum", columns={"text": "document"})
+        task_from_config("xsum", columns={"text": "document"})
     with pytest.raises(ValueError, match="subset"):
-        from_config("longbench", subset="nope")
+        task_from_config("longbench", subset="nope")
     with pytest.raises(ValueError, match="only a 'test' split"):
-        from_config("longbench", split="validation", subset="trec", data_dir=".")
+        task_from_config("longbench", split="validation", subset="trec", data_dir=".")
 
 
 @needs_data
@@ -287,8 +281,8 @@ def test_question_split_concatenates_to_the_whole_prompt(tok: PreTrainedTokenize
         (make_tokenizer(TRIMMING_CHAT), "hotpotqa"),
         (make_tokenizer(None), "hotpotqa"),
     ):
-        split = from_config("longbench", subset=subset, question_aware=False)
-        whole = from_config("longbench", subset=subset, question_aware=True)
+        split = task_from_config("longbench", subset=subset, question_aware=False)
+        whole = task_from_config("longbench", subset=subset, question_aware=True)
         ex_split, ex_whole = split.make_example(row, 0), whole.make_example(row, 0)
         assert ex_split.prompt + ex_split.question == ex_whole.prompt and ex_whole.question == ""
         chat = subset != "trec" and chat_tok.chat_template is not None
@@ -317,10 +311,10 @@ def test_split_inside_a_merged_token(tok: PreTrainedTokenizerFast) -> None:
 def test_chat_template_switches(tok: PreTrainedTokenizerFast) -> None:
     row = longbench_row(2)
     for task, chat in (
-        (from_config("longbench", subset="hotpotqa"), True),
-        (from_config("longbench", subset="hotpotqa", chat_template=False), False),
-        (from_config("longbench", subset="lcc"), False),
-        (from_config("longbench", subset="samsum"), False),
+        (task_from_config("longbench", subset="hotpotqa"), True),
+        (task_from_config("longbench", subset="hotpotqa", chat_template=False), False),
+        (task_from_config("longbench", subset="lcc"), False),
+        (task_from_config("longbench", subset="samsum"), False),
     ):
         ids = task.render(task.make_example(row, 0), tok).input_ids
         assert (tok.decode(ids[:1]) == "<|user|>") == chat
@@ -328,7 +322,7 @@ def test_chat_template_switches(tok: PreTrainedTokenizerFast) -> None:
 
 
 def test_middle_truncation(tok: PreTrainedTokenizerFast) -> None:
-    task = from_config("longbench", subset="hotpotqa", question_aware=False, max_prompt_tokens=201)
+    task = task_from_config("longbench", subset="hotpotqa", question_aware=False, max_prompt_tokens=201)
     example = task.make_example(longbench_row(3), 0)
     whole = full_ids(tok, example.prompt + example.question, chat=True)
     assert len(whole) > 201
@@ -338,14 +332,16 @@ def test_middle_truncation(tok: PreTrainedTokenizerFast) -> None:
     assert r.truncated and r.n_prompt_tokens_raw == len(whole)
     # The question sits in the kept tail, so it is still fed apart, after the context.
     assert tok.decode(r.suffix_ids).startswith("Question: Who wrote note 3?")
-    assert not from_config("longbench", subset="hotpotqa", max_prompt_tokens=10_000).render(example, tok).truncated
+    assert not task_from_config("longbench", subset="hotpotqa", max_prompt_tokens=10_000).render(example, tok).truncated
     # A limit shorter than the question: the kept tail is all suffix, the kept head all context.
-    tiny = from_config("longbench", subset="hotpotqa", question_aware=False, max_prompt_tokens=20).render(example, tok)
+    tiny = task_from_config("longbench", subset="hotpotqa", question_aware=False, max_prompt_tokens=20).render(
+        example, tok
+    )
     assert tiny.input_ids == whole[:10] and tiny.suffix_ids == whole[-10:]
 
 
 def test_xsum_render_and_score(tok: PreTrainedTokenizerFast) -> None:
-    task = from_config("xsum", question_aware=False)
+    task = task_from_config("xsum", question_aware=False)
     ex = task.make_example({"document": "The owners said jobs.", "summary": "Jobs are coming.", "id": "9"}, 0)
     r = task.render(ex, tok)
     assert r.input_ids + r.suffix_ids == full_ids(tok, ex.prompt + ex.question, chat=True)
@@ -353,26 +349,26 @@ def test_xsum_render_and_score(tok: PreTrainedTokenizerFast) -> None:
     scores = task.score(task.postprocess("  Jobs are coming.\n", ex), ex)
     assert scores[task.primary_metric] == pytest.approx(1.0)
     assert task.generation(ex).max_new_tokens == 64
-    assert from_config("cnn_dailymail").primary_metric == "rougeLsum"
+    assert task_from_config("cnn_dailymail").primary_metric == "rougeLsum"
 
 
 # ---------------------------------------------------------------- LongBench task behaviour
 
 
 def test_longbench_generation_postprocess_and_score() -> None:
-    trec = from_config("longbench", subset="trec")
+    trec = task_from_config("longbench", subset="trec")
     ex = trec.make_example(longbench_row(0, answers=["Individual"], all_classes=["Individual", "City"]), 0)
     assert trec.postprocess("\nIndividual\nQuestion: next", ex) == "Individual"
     assert trec.score(trec.postprocess("\nIndividual\nCity", ex), ex) == {"score": 1.0, "classification_score": 1.0}
-    narrative = from_config("longbench", subset="narrativeqa")
+    narrative = task_from_config("longbench", subset="narrativeqa")
     assert narrative.postprocess("a\nb", ex) == "a\nb"
-    samsum = from_config("longbench", subset="samsum").generation(ex)
+    samsum = task_from_config("longbench", subset="samsum").generation(ex)
     assert samsum.max_new_tokens == 128 and samsum.stop_strings == ["\n"]
-    assert from_config("longbench", subset="lcc").generation(ex).max_new_tokens == 64
-    assert from_config("longbench", subset="lcc", max_new_tokens=16).generation(ex).max_new_tokens == 16
-    assert from_config("longbench", subset="gov_report").generation(ex).stop_strings == []
-    qa = from_config("longbench", subset="hotpotqa").make_example(longbench_row(4, answers=["Bob", "Ann 4"]), 0)
-    assert from_config("longbench", subset="hotpotqa").score("Ann 4", qa)[LongBench.primary_metric] == 1.0
+    assert task_from_config("longbench", subset="lcc").generation(ex).max_new_tokens == 64
+    assert task_from_config("longbench", subset="lcc", max_new_tokens=16).generation(ex).max_new_tokens == 16
+    assert task_from_config("longbench", subset="gov_report").generation(ex).stop_strings == []
+    qa = task_from_config("longbench", subset="hotpotqa").make_example(longbench_row(4, answers=["Bob", "Ann 4"]), 0)
+    assert task_from_config("longbench", subset="hotpotqa").score("Ann 4", qa)[LongBench.primary_metric] == 1.0
 
 
 def test_every_subset_is_configured() -> None:
