@@ -1,10 +1,10 @@
 """The README's policy and task tables, rendered from ``configs/`` so that they cannot drift from what runs.
 
 A group file's leading comment block describes it: the first sentence is its summary, and a line
-``# paper: ...``, ``# kvpress: ...`` (the peer's press), ``# data: ...`` or ``# scored by: ...`` fills that column (comments, so the configs keep only
-keys the schema knows). Each table sits in README.md between ``<!-- BEGIN <name> ... -->`` and
-``<!-- END <name> -->``. ``python -m kvbench.docs_tables`` exits 1 when they differ from the configs;
-``--write`` rewrites them. ``tests/test_docs.py`` runs the same comparison.
+``# paper: ...``, ``# kvpress: ...`` (the peer's press), ``# data: ...`` or ``# scored by: ...`` fills that
+column (comments, so the configs keep only keys the schema knows). Each table sits in README.md between
+``<!-- BEGIN <name> ... -->`` and ``<!-- END <name> -->``. ``python -m kvbench.docs_tables`` exits 1 when
+they differ from the configs; ``--write`` rewrites them. ``tests/test_docs.py`` runs the same comparison.
 """
 
 from __future__ import annotations
@@ -131,8 +131,9 @@ def policy_table(configs: Path) -> str:
     ]
     for d in described("policy", configs):
         parts = [part(d.values.get(name, defaults[name])) for name in ("score", "scope", "allocation")]
-        paper, press = d.meta.get("paper", ""), d.meta.get("kvpress", "")
-        rows.append(f"| `{d.choice}` | {cell(d.summary)} | {' | '.join(parts)} | {cell(paper)} | {f'`{press}`' if press else ''} |")
+        paper, press = cell(d.meta.get("paper", "")), d.meta.get("kvpress", "")
+        press = f"`{press}`" if press else ""
+        rows.append(f"| `{d.choice}` | {cell(d.summary)} | {' | '.join(parts)} | {paper} | {press} |")
     return "\n".join(rows)
 
 
