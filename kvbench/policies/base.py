@@ -45,6 +45,9 @@ class Score(ABC):
     queries: Queries | None = None
     # Layer weights its ``features`` read (names of ``policies.inputs.WEIGHTS``).
     weights: frozenset[str] = frozenset()
+    # One kept set per layer (``shared: true``, here or in a base score): the heads of a layer must hold the same
+    # entries, so per-head allocation is refused.
+    shares_heads: bool = False
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -74,6 +77,7 @@ DECLARATIONS = (
     "row_sums",
     "queries",
     "weights",
+    "shares_heads",
 )
 
 

@@ -21,7 +21,7 @@ import inspect
 import typing
 from typing import Any, TypeVar
 
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, Score
 from kvbench.policies.full import never_evicting
 from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
 from kvbench.policies.quantize import build_quantizer
@@ -78,6 +78,15 @@ def _flag(value: Any, what: str) -> bool:
     raise ValueError(f"{what}={value!r} must be true or false")
 
 
+def build_score(spec: Any) -> Score:
+    """A score from its config, ``kind`` or ``{kind: ..., options}`` (a wrapper's ``base`` too); ``shared: true``
+    averages it over the layer's KV heads."""
+    options = _options(spec)
+    shared = _flag(options.pop("shared", False), "score.shared")
+    score = _part(SCORES, options)
+    return SharedAcrossHeads(score) if shared else score
+
+
 def build_policy(cfg: dict[str, Any]) -> Policy:
     """``score: none`` means the full cache: nothing is ever evicted (it may still be quantised)."""
     cfg = dict(cfg)
@@ -92,15 +101,14 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     score_spec = cfg.get("score", "none")
     if score_spec in (None, "none"):
         return never_evicting(name, quantize, positions, sliding_layers=sliding)
-    options = _options(score_spec)
-    shared = _flag(options.pop("shared", False), "score.shared")
-    score = _part(SCORES, options)
-    if shared:
-        score = SharedAcrossHeads(score)
+    score = build_score(score_spec)
     scope = _part(SCOPES, cfg.get("scope", "all"))
     allocation = _part(ALLOCATIONS, cfg.get("allocation") or "uniform")
-    if allocation.per_head and shared:
-        raise ValueError("score.shared=true keeps one set per layer; it cannot combine with allocation=adaptive")
+    if allocation.per_head and score.shares_heads:
+        raise ValueError(
+            "score.shared=true (on the score or its base) keeps one set per layer; it cannot combine with "
+            "allocation=adaptive"
+        )
     for part, what in ((score, "score"), (scope, "scope")):
         unknown = sorted(set(part.needs) - set(STATISTICS))
         if unknown:

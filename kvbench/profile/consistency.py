@@ -76,11 +76,13 @@ def prompt_state(end: PromptEnd, policy: Policy, layer: int, seed: int = 0) -> T
     for at, part in per_head(weights, torch.arange(heads, device=end.keys.device), heads):
         for name, value in policy.features(end.keys[at], end.values[at], part).items():
             stats.setdefault(name, value.new_zeros(heads, value.shape[-1]))[at] = value
+    row_sums = {s.name: s.of(end.keys, end.values).to(torch.float64).sum(dim=1) for s in policy.row_sums}
     return TokenState(
         keys=end.keys,
         values=end.values,
         positions=positions,
         stats=stats,
+        row_sums=row_sums,
         phase="prefill",
         window=end.window,
         seen=length,

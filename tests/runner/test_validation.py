@@ -167,6 +167,12 @@ CASES = [
     ),
     # Policy.unsupported_stages: SnapKV scores from the prompt's observation window, so it only compresses a prompt.
     (["policy=snapkv", "stage=decode"], "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']"),
+    (["policy=chunkkv", "policy.score.chunk=0"], "policy=chunkkv: chunkkv chunk=0 must be at least 1 token"),
+    (
+        ["policy=chunkkv", "policy.allocation=adaptive"],
+        "policy=chunkkv: score.shared=true (on the score or its base) keeps one set per layer",
+    ),
+    (["policy=lagkv", "policy.score.lag_size=0"], "policy=lagkv: lagkv lag_size=0 must be at least 1 token"),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 

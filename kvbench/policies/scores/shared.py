@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.policies.base import ScoreWrapper
+from kvbench.policies.base import Score, ScoreWrapper
 from kvbench.policies.state import TokenState
 
 
 class SharedAcrossHeads(ScoreWrapper):
     """The inner score averaged over the layer's KV heads. Needs heads sharing one length (uniform allocation)."""
+
+    def __init__(self, inner: Score):
+        super().__init__(inner)
+        self.shares_heads = True
 
     def __call__(self, state: TokenState) -> torch.Tensor:
         if state.valid is not None:
