@@ -21,7 +21,7 @@ import inspect
 import typing
 from typing import Any, TypeVar
 
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, Score
 from kvbench.policies.full import never_evicting
 from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
 from kvbench.policies.quantize import build_quantizer
@@ -55,6 +55,11 @@ def _part(table: Registry[type[P]], spec: Any) -> P:
         if key in hints and not _accepts(hints[key], value):
             raise ValueError(f"{what}.{key}={value!r} must be {describe(hints[key])}")
     return cls(**options)
+
+
+def build_score(spec: Any) -> Score:
+    """A score from its config, a kind or ``{kind: ..., options}``: what a wrapper builds its base score from."""
+    return _part(SCORES, spec)
 
 
 def _accepts(hint: Any, value: Any) -> bool:
