@@ -120,11 +120,14 @@ def layer_windows(config: Any) -> list[int | None]:
 
 def policy_problem(config: Any, policy: Any) -> str | None:
     """Why this policy cannot run exactly on this model (a family that bypasses the attention interface,
-    re-indexed positions without a RoPE kvbench can re-rotate, merging inside sliding layers), or None."""
+    re-indexed positions or pre-RoPE queries without a RoPE kvbench can undo, merging inside sliding layers),
+    or None."""
     from kvbench.engine.plan import sliding_problem
-    from kvbench.policies.positions import reindex_refusal
+    from kvbench.policies.positions import QUERIES_BEFORE_ROPE, reindex_refusal, rope_refusal
 
     problem = support_error(config)
     if problem is None and policy.evicts and policy.positions == "reindex":
         problem = reindex_refusal(config)
+    if problem is None and policy.queries is not None and not policy.queries.rope:
+        problem = rope_refusal(config, None, *QUERIES_BEFORE_ROPE)
     return problem or sliding_problem(policy, layer_windows(config))

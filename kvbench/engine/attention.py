@@ -184,7 +184,8 @@ def _with_queries(
     stats: dict[str, torch.Tensor], layer: CacheLayer, step: Step, query: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """``stats`` plus, where the policy declared them (``Score.queries``) and the step evicts, the step's last
-    queries as ``queries`` [B × kv_heads, group, k, D]: as attention saw them, or with the model's RoPE undone."""
+    queries as ``queries`` [B × kv_heads, group, k, D]: as attention saw them, or with the model's RoPE undone
+    (and, with ``ahead``, turned by the mean rotation of the coming positions)."""
     wants = layer.policy.queries
     if wants is None or not step.evicts:
         return stats
@@ -196,6 +197,9 @@ def _with_queries(
         assert rotaries is not None, "the cache keeps the rotaries of a policy reading pre-RoPE queries"
         positions = layer.current.model_positions[:, q - k :].unsqueeze(1)  # [B, 1, k]: where the model rotated
         last = rotaries[layer.layer_idx].unrotate(last, positions)
+        if wants.ahead:  # the positions after the step's last: [B, 1, 1, ahead]
+            coming = layer.current.model_positions[:, -1:] + torch.arange(1, wants.ahead + 1, device=last.device)
+            last = rotaries[layer.layer_idx].averaged(last, coming.view(b, 1, 1, -1))
     hkv = layer.entries.heads
     return {**stats, "queries": last.reshape(b * hkv, hq // hkv, k, dim)}
 

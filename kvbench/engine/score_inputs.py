@@ -9,23 +9,35 @@ from typing import Any
 import torch
 
 from kvbench.policies.base import Policy
-from kvbench.policies.positions import Rotary, layer_rotaries
+from kvbench.policies.positions import QUERIES_BEFORE_ROPE, Rotary, layer_rotaries
 
-# Where each declared weight lives in a transformers attention module (every supported family names them so).
-ATTRIBUTES = {"output_projection": "o_proj"}
+# Where each declared weight lives in a transformers attention module: the first of these its family has.
+ATTRIBUTES = {"output_projection": ("o_proj", "dense", "out_proj", "c_proj")}
+
+
+def projection(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The weight ``name`` of one attention module as a Linear holds it, [out, in] (GPT-2's Conv1D holds it
+    transposed), or None where the module has none of ``ATTRIBUTES[name]``."""
+    for attribute in ATTRIBUTES[name]:
+        layer = getattr(module, attribute, None)
+        if isinstance(layer, torch.nn.Linear):
+            return layer.weight.detach()
+        if layer is not None and type(layer).__name__ == "Conv1D":
+            return layer.weight.detach().T
+    return None
 
 
 def attention_weights(module: torch.nn.Module, names: frozenset[str]) -> dict[str, torch.Tensor]:
     """The weights ``names`` of one attention module, by name."""
     out = {}
     for name in sorted(names):
-        projection = getattr(module, ATTRIBUTES[name], None)
-        if not isinstance(projection, torch.nn.Linear):
+        weight = projection(module, name)
+        if weight is None:
             raise ValueError(
-                f"the model's attention {type(module).__name__} has no {ATTRIBUTES[name]} projection: a score "
+                f"the model's attention {type(module).__name__} has none of {', '.join(ATTRIBUTES[name])}: a score "
                 f"reading {name} cannot run on this family"
             )
-        out[name] = projection.weight.detach()
+        out[name] = weight
     return out
 
 
@@ -51,16 +63,16 @@ def layer_weights(model: Any, names: frozenset[str], layers: int) -> list[dict[s
         return [{} for _ in range(layers)]
     if model is None:
         raise ValueError(f"a score reading {', '.join(sorted(names))} needs the model to build the cache")
-    wanted = {ATTRIBUTES[name] for name in names}
     found = {
         m.layer_idx: attention_weights(m, names)
         for m in model.modules()
-        if isinstance(getattr(m, "layer_idx", None), int) and all(hasattr(m, a) for a in wanted)
+        if isinstance(getattr(m, "layer_idx", None), int) and all(projection(m, n) is not None for n in names)
     }
     if sorted(found) != list(range(layers)):
+        wanted = sorted({a for name in names for a in ATTRIBUTES[name]})
         raise ValueError(
             f"a score reads {', '.join(sorted(names))}, but only layers {sorted(found)} of {layers} have an attention "
-            f"module with {', '.join(sorted(wanted))}: this family is not supported by that score"
+            f"module with one of {', '.join(wanted)}: this family is not supported by that score"
         )
     return [found[layer] for layer in range(layers)]
 
@@ -76,5 +88,5 @@ class ScoreInputs:
         if wants is not None and not wants.rope:
             if model is None:
                 raise ValueError("a score reading queries before RoPE needs the model (its rotary embedding)")
-            self.rotaries = layer_rotaries(model)
+            self.rotaries = layer_rotaries(model, QUERIES_BEFORE_ROPE)
         self.queries: list[torch.Tensor | None] = [None] * layers

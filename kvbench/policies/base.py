@@ -177,6 +177,12 @@ class Policy:
             raise ValueError(f"sliding_layers {self.sliding_layers!r} must be one of {SLIDING_MODES}")
         if self.unsupported_stages is None:
             self.unsupported_stages = tuple(self.score.unsupported_stages) if self.evicts else ()
+        reads = self.score.queries
+        if self.positions == "reindex" and reads is not None and not reads.rope:
+            raise ValueError(
+                f"score {type(self.score).__name__} reads the queries before RoPE against keys at their true "
+                "positions, which positions=reindex moves; use positions=absolute"
+            )
         unknown = sorted(set(self.score.weights) - set(WEIGHTS))
         if unknown:
             raise ValueError(
@@ -236,13 +242,24 @@ class Policy:
         """Scores with protected entries at +inf and padding at ``padding`` (-inf: never kept), float32 [H, n]. In a
         sliding-window layer the entries its next query cannot see rank last, whatever the scope protects: the
         budget is spent on what attention can still read."""
-        scores = self.scope.shield(self.score(state).to(torch.float32), state, budget)
+        state.evicting(budget, lambda s: self.ranked(s, state, budget), lambda s: self.kept_by(s, state, budget))
+        return self.ranked(self.score(state), state, budget, padding)
+
+    def ranked(
+        self, scores: torch.Tensor, state: TokenState, budget: int, padding: float = float("-inf")
+    ) -> torch.Tensor:
+        """``scores`` as eviction ranks them (see ``scored``)."""
+        scores = self.scope.shield(scores.to(torch.float32), state, budget)
         outside = state.outside_window()
         if outside is not None:
             scores = scores.masked_fill(outside, float("-inf"))
         if state.valid is not None:
             scores = scores.masked_fill(~state.valid, padding)
         return scores
+
+    def kept_by(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
+        """What the scope and allocation keep when ``scores`` rank the entries, bool [H, n]."""
+        return self.allocation.keep(self.ranked(scores, state, budget), state.valid, budget, state.units)
 
     def keep_mask(self, state: TokenState, budget: int) -> torch.Tensor:
         """Bool [H, n]: what each head keeps. ``budget`` is the per-head budget (the average, under

@@ -20,11 +20,19 @@ WEIGHTS = {
 class Queries:
     """The evicting step's last ``last`` queries (fewer if the step has fewer), as ``TokenState.queries``
     [rows, group, k, D]: each KV head row gets its GQA group's query heads. ``rope``: as the attention saw them
-    (True) or before the rotary embedding (False: e.g. to extrapolate them to coming positions)."""
+    (True) or before the rotary embedding (False: e.g. to extrapolate them to coming positions). ``ahead`` > 0
+    (with ``rope=False``): each turned by the mean of the model's rotations over the ``ahead`` positions after
+    the step (``Rotary.averaged``): the query as it would attend on average over the coming positions, so that
+    their mean and covariance are those of the rotated statistics (Expected Attention)."""
 
     last: int
     rope: bool = True
+    ahead: int = 0
 
     def __post_init__(self) -> None:
         if int(self.last) < 1:
             raise ValueError(f"queries.last={self.last} must be >= 1")
+        if int(self.ahead) < 0:
+            raise ValueError(f"queries.ahead={self.ahead} must be >= 0")
+        if self.ahead and self.rope:
+            raise ValueError("queries.ahead turns the queries before RoPE: it needs rope=False")

@@ -94,6 +94,15 @@ class Rotary:
         """The inverse of ``rotate(., positions)``: keys as they were before the model's RoPE."""
         return self._apply(x, -positions, 1.0 / self.scale)
 
+    def averaged(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., D] turned by the mean of the rotations the model applies at ``positions`` [..., F] (each x
+        against its own F positions): E[R_t] x over t uniform among them, Expected Attention's averaged RoPE.
+        The mean of rotations is no rotation: each pair is scaled by the mean resultant of its angles."""
+        if self.rot_dim == 0:
+            return x
+        angle = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(x.device)  # [..., F, rot/2]
+        return self._turn(x, angle.cos().mean(dim=-2) * self.scale, angle.sin().mean(dim=-2) * self.scale)
+
     def _apply(self, x: torch.Tensor, positions: torch.Tensor, factor: float) -> torch.Tensor:
         if self.rot_dim == 0:
             return x
@@ -101,6 +110,10 @@ class Rotary:
         cos, sin = angle.cos(), angle.sin()
         if factor != 1.0:
             cos, sin = cos * factor, sin * factor
+        return self._turn(x, cos, sin)
+
+    def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x's rotated dims paired as the model pairs them, each pair (a, b) -> (a cos - b sin, b cos + a sin)."""
         xr = x[..., : self.rot_dim].to(torch.float32)
         if self.layout == "half":
             half = self.rot_dim // 2
@@ -123,22 +136,35 @@ def _rope_parameters(config: Any) -> list[dict]:
     return [params]
 
 
+REINDEX = ("positions=reindex re-rotates kept keys with RoPE", ABSOLUTE)
+# A score reading the queries before RoPE (``Queries(rope=False)``): the model's rotation is undone on them.
+QUERIES_BEFORE_ROPE = (
+    "the policy's score reads the queries before RoPE (the model's rotation undone on them)",
+    "choose a score that reads no pre-RoPE queries",
+)
+
+
 def reindex_refusal(config: Any, name: str | None = None) -> str | None:
     """Why ``positions=reindex`` cannot run on a model with this config (one line, with what to do), or None.
     Needs no weights, so a run can refuse before loading them. ``name`` names the model in the message."""
+    return rope_refusal(config, name, *REINDEX)
+
+
+def rope_refusal(config: Any, name: str | None, lead: str, remedy: str) -> str | None:
+    """Why kvbench cannot apply and undo this config's RoPE exactly (``lead``: what needs it; ``remedy``: what to
+    do instead), or None."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = getattr(config, "model_type", None)
     name = name or str(model_type)
-    lead = "positions=reindex re-rotates kept keys with RoPE"
     if model_type in NO_ROPE or (model_type == "falcon" and getattr(config, "alibi", False)):
         how = NO_ROPE.get(model_type, "ALiBi attention biases")
         return (
-            f"{lead}; {model_type} encodes positions with {how}, so {name} has no rotary position embedding; {ABSOLUTE}"
+            f"{lead}; {model_type} encodes positions with {how}, so {name} has no rotary position embedding; {remedy}"
         )
     if model_type not in LAYOUTS:
         return (
             f"{lead}, but {name} (model_type {model_type!r}) is not a family whose RoPE it knows "
-            f"(supported: {', '.join(sorted(LAYOUTS))}); {ABSOLUTE}"
+            f"(supported: {', '.join(sorted(LAYOUTS))}); {remedy}"
         )
     for params in _rope_parameters(config):
         rope_type = params.get("rope_type", params.get("type", "default"))
@@ -149,7 +175,7 @@ def reindex_refusal(config: Any, name: str | None = None) -> str | None:
             }.get("dynamic" if "dynamic" in rope_type else rope_type, "is not known to keep one static table")
             return (
                 f"{lead}, which is exact only for a static table, but {name} uses rope_type={rope_type!r}, "
-                f"which {why} (static types: {', '.join(STATIC_ROPE_TYPES)}); {ABSOLUTE}"
+                f"which {why} (static types: {', '.join(STATIC_ROPE_TYPES)}); {remedy}"
             )
     return None
 
@@ -191,11 +217,12 @@ def _layer_has_rope(config: Any, layer: int) -> bool:
     return True
 
 
-def layer_rotaries(model: Any) -> list[Rotary]:
+def layer_rotaries(model: Any, why: tuple[str, str] = REINDEX) -> list[Rotary]:
     """One ``Rotary`` per decoder layer, with the tables the model itself uses (Gemma 3's sliding and full layers
-    differ), or a ValueError with ``reindex_refusal``'s message. Layers with equal tables share one object."""
+    differ), or a ValueError with ``rope_refusal``'s message (``why``: what needs them, what to do instead).
+    Layers with equal tables share one object."""
     text = model.config.get_text_config()
-    refusal = reindex_refusal(model.config, type(model).__name__)
+    refusal = rope_refusal(model.config, type(model).__name__, *why)
     if refusal:
         raise ValueError(refusal)
     layout = LAYOUTS[text.model_type]

@@ -52,6 +52,9 @@ class TokenState:
     blocks, one per (layer, sequence): a part that mixes rows (a split across heads, a kept set shared by heads)
     mixes those of one unit only (``per_unit``). ``derived`` presets quantities of ``derived()`` that the cache
     computes more cheaply itself, ``lengths`` the count per row.
+
+    While the policy evicts, ``budget`` is the eviction's per-row budget (the average under per-head allocation),
+    and ``ranked`` and ``kept_by`` apply its scope and allocation to any scores (None and errors outside).
     """
 
     def __init__(
@@ -94,6 +97,32 @@ class TokenState:
         self.row_sums = row_sums or {}
         self.queries = queries
         self._zeroed = False
+        self.budget: int | None = None
+        self._rank: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._keep: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def evicting(
+        self,
+        budget: int,
+        rank: Callable[[torch.Tensor], torch.Tensor],
+        keep: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Set by the policy before it calls the score: the eviction's budget and how it ranks and keeps."""
+        self.budget, self._rank, self._keep = budget, rank, keep
+
+    def ranked(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` [H, n] as this eviction ranks them: +inf on what the scope protects, -inf on padding and on
+        entries the next query cannot see (for a score built in stages on another's ranking, CriticalKV's)."""
+        if self._rank is None:
+            raise ValueError("this TokenState is not being evicted from: no ranking to apply")
+        return self._rank(scores)
+
+    def kept_by(self, scores: torch.Tensor) -> torch.Tensor:
+        """Bool [H, n]: what this eviction would keep were ``scores`` the score (scope and allocation included,
+        e.g. the per-head budgets Ada-KV would give)."""
+        if self._keep is None:
+            raise ValueError("this TokenState is not being evicted from: no allocation to apply")
+        return self._keep(scores)
 
     def outside_window(self) -> torch.Tensor | None:
         """Bool [H, n]: entries the next query cannot see (a sliding-window layer's), or None."""

@@ -31,7 +31,7 @@ from kvbench.policies.full import never_evicting
 from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy
 from kvbench.profile.collect import record
-from kvbench.profile.consistency import bare_scores, layer_budgets
+from kvbench.profile.consistency import bare_scores, layer_budgets, profiled_kinds
 from kvbench.profile.summary import Profile, candidate_kinds, layer_result, write_profile
 from kvbench.tasks.registry import build_task
 
@@ -53,13 +53,16 @@ def check(
         raise ConfigError(f"budgets: {err}") from err
     if not budgets:
         raise ConfigError("budgets must list at least one budget, e.g. budgets=[0.1,0.25,0.5]")
-    kinds = SCORES.names() if cfg.get("scores") == "all" else list(cfg.get("scores") or [])
+    kinds = profiled_kinds() if cfg.get("scores") == "all" else list(cfg.get("scores") or [])
     unknown = sorted(set(kinds) - set(SCORES.names()))
     if unknown:
         raise ConfigError(f"scores: unknown {unknown}; give all or a list of {SCORES.choices()}")
     max_new = cfg.get("max_new_tokens")
     if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
         raise ConfigError(f"max_new_tokens={max_new!r} must be a positive integer or null (the task's own)")
+    unmeasured = sorted(set(kinds) - set(profiled_kinds()))
+    if unmeasured:
+        raise ConfigError(f"scores: {unmeasured} read the step's queries, which profiling does not record; drop them")
     scores = bare_scores(kinds)
     policies = {}
     model_config = load_config(

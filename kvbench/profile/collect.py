@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 
 from kvbench.engine.attention import family_arguments
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
-from kvbench.engine.score_inputs import ATTRIBUTES, attention_weights
+from kvbench.engine.score_inputs import ATTRIBUTES, attention_weights, projection
 from kvbench.engine.visibility import KeyAccess, Window, visibility
 from kvbench.families import layer_windows
 from kvbench.policies.statistics import STATISTICS, Collecting, attention_names
@@ -101,7 +101,7 @@ def profile_attention(
         replace(access, window=_window(size, p, key.device)),
         Collecting(attention_names(STATISTICS), recorder.history),
     )
-    weights = attention_weights(module, frozenset(n for n, a in ATTRIBUTES.items() if hasattr(module, a)))
+    weights = attention_weights(module, frozenset(n for n in ATTRIBUTES if projection(module, n) is not None))
     prompt_end = PromptEnd(end, key[0, :, :p], value[0, :, :p], size, weights)
     recorder.results[layer] = recorder.on_layer(layer, profile, prompt_end)
     return output, None

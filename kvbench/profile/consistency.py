@@ -27,10 +27,20 @@ ORACLE = "oracle"
 
 
 def bare_scores(kinds: Sequence[str] | None = None) -> dict[str, Policy]:
-    """One policy per score kind (every registered score by default), alone: nothing protected and every layer at
-    the budget, so what is measured is the consistency of the score itself."""
-    kinds = SCORES.names() if kinds is None else kinds
-    return {kind: build_policy({"name": kind, "score": kind, "scope": "all"}) for kind in kinds}
+    """One policy per score kind (by default every registered score profiling can run: ``profiled_kinds``),
+    alone: nothing protected and every layer at the budget, so what is measured is the consistency of the score
+    itself."""
+    kinds = profiled_kinds() if kinds is None else kinds
+    return {kind: bare(kind) for kind in kinds}
+
+
+def bare(kind: str) -> Policy:
+    return build_policy({"name": kind, "score": kind, "scope": "all"})
+
+
+def profiled_kinds() -> list[str]:
+    """The registered scores profiling can run: those that read no step's queries (profiling records none)."""
+    return [kind for kind in SCORES.names() if bare(kind).queries is None]
 
 
 @dataclass

@@ -35,6 +35,12 @@ def stages(policy: dict) -> list[str]:
     return [s for s in ("prefill", "decode", "both") if s not in build_policy(policy).unsupported_stages]
 
 
+def runs_on(family: str, policy: dict) -> bool:
+    """A policy whose score reads the queries before RoPE is refused on a family without RoPE (tested below)."""
+    queries = build_policy(policy).queries
+    return family not in NO_ROPE or queries is None or queries.rope
+
+
 @pytest.fixture(scope="module")
 def prompt() -> list[int]:
     return torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -49,7 +55,7 @@ def test_every_policy_at_a_budget_of_the_length_equals_the_familys_generate(fami
         variants += [named(name, sliding_layers="evict") for name in ("h2o", "tova", "snapkv", "adakv", "window")]
     if family not in NO_ROPE:  # kept keys re-rotated in the family's own RoPE layout (per layer where it differs)
         variants += [named(name, positions="reindex") for name in ("streamingllm", "h2o", "adakv")]
-    for policy in variants:
+    for policy in [v for v in variants if runs_on(family, v)]:
         for stage in stages(policy):
             stride = None if stage == "prefill" else 7  # one chunk, and chunks shorter than the window and longer
             g = generate(
@@ -79,6 +85,7 @@ def test_eviction_equals_the_familys_eager_attention_masked_to_the_kept_set(fami
     variants = [(name, {}) for name in REPLAYED]
     if family in SLIDING:
         variants += [(name, {"sliding_layers": "evict"}) for name in ("h2o", "adakv", "window")]
+    variants = [(name, extra) for name, extra in variants if runs_on(family, named(name, **extra))]
     for name, extra in variants:
         policy = named(name, **extra)
         for stage, stride in (("both", 7), (stages(policy)[-1], None), ("prefill", None)):
@@ -241,6 +248,16 @@ def test_reindex_is_refused_on_families_without_rope(family, prompt):
         )
 
 
+@pytest.mark.parametrize("family", NO_ROPE)
+def test_scores_reading_queries_before_rope_are_refused_on_families_without_rope(family, prompt):
+    from kvbench.families import policy_problem
+
+    policy = build_policy(named("expected_attention"))
+    assert "reads no pre-RoPE queries" in policy_problem(family_config(family), policy)
+    with pytest.raises(ValueError, match="reads no pre-RoPE queries"):
+        generate(build(family), None, prompt, policy, 0.5, "prefill", DecodeSettings(max_new_tokens=2))
+
+
 def test_merge_is_refused_where_sliding_layers_would_evict(prompt):
     model = build("mistral-window")
     with pytest.raises(ValueError, match="merge"):
@@ -275,6 +292,7 @@ def test_family_table_in_the_docs_lists_every_tested_family():
         ("bloom", ["policy=h2o"], "attention interface"),
         ("gpt2", ["policy=streamingllm", "policy.positions=reindex"], "positions=absolute"),
         ("opt", ["policy=window", "policy.positions=reindex"], "positions=absolute"),
+        ("gpt2", ["policy=expected_attention"], "reads no pre-RoPE queries"),
         ("mistral-window", ["policy=h2o", "policy.merge=true"], "merge"),
     ],
 )

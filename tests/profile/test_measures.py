@@ -122,7 +122,9 @@ def test_oracle_beats_every_score_at_every_budget(seed):
         "qlog": rows,
         "qlog_nvis": torch.full((heads, history), float(n)),
     }
-    end = PromptEnd(stats, torch.randn(heads, n, 8, generator=g), torch.randn(heads, n, 8, generator=g), None)
+    w_o = torch.randn(16, heads * 8, generator=g)  # the output projection a score may read (CriticalKV's)
+    keys, values = torch.randn(heads, n, 8, generator=g), torch.randn(heads, n, 8, generator=g)
+    end = PromptEnd(stats, keys, values, None, {"output_projection": w_o})
     future = torch.rand(heads, n, generator=g) ** 4
     policies = bare_scores()
     tokens = list(range(1, n + 3))
