@@ -167,6 +167,8 @@ CASES = [
     ),
     # Policy.unsupported_stages: SnapKV scores from the prompt's observation window, so it only compresses a prompt.
     (["policy=snapkv", "stage=decode"], "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']"),
+    # R-KV compresses what the model generates.
+    (["policy=rkv", "stage=prefill"], "policy=rkv cannot run in stage=prefill; use stage in ['decode', 'both']"),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 
