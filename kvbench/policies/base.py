@@ -127,6 +127,9 @@ class Allocation:
     per_head: bool = False
 
     def layer_budgets(self, budget: int, n_layers: int, limit: int | None = None, reserved: int = 0) -> list[int]:
+    # True when what a row keeps follows its scores, not a count (a threshold): the allocation then decides at
+    # every evicting step, under the budget or over it, and the budget only caps what a row keeps.
+    thresholded: bool = False
         """Per-layer token budgets (per KV head, on average), summing to ``n_layers × budget``. ``limit`` is the
         most a layer can ever be asked to hold in an evicting step (a budget above it changes nothing);
         ``reserved`` is what the scope protects whatever the scores (see ``Scope.reserved``)."""

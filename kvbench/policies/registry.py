@@ -52,6 +52,10 @@ def _part(table: Registry[type[P]], spec: Any) -> P:
         )
     hints = typing.get_type_hints(cls.__init__)
     for key, value in options.items():
+    required = (p.name for p in params.values() if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD)
+    missing = [name for name in required if name not in options and name != "self"]
+    if missing:
+        raise ValueError(f"{what} {kind!r} needs option {', '.join(missing)} ({what}.{missing[0]}=...)")
         if key in hints and not _accepts(hints[key], value):
             raise ValueError(f"{what}.{key}={value!r} must be {describe(hints[key])}")
     return cls(**options)
@@ -118,4 +122,9 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         quantize=quantize,
         positions=positions,
         sliding_layers=sliding,
+        if ALLOCATIONS.get(_options(cfg.get("allocation") or "uniform").get("kind")).thresholded:
+            raise ValueError(
+                "a threshold keeps the entries whose score reaches it, and score=none has no score: name a base "
+                f"score (policy.score=key_norm, or one of {SCORES.choices()})"
+            )
     )

@@ -170,6 +170,15 @@ CASES = [
     # R-KV compresses what the model generates.
     (["policy=rkv", "stage=prefill"], "policy=rkv cannot run in stage=prefill; use stage in ['decode', 'both']"),
 ]
+    # A threshold keeps what its base score reaches: the full cache has no score, and the value has no default.
+    (
+        ["policy=full", "policy.allocation=threshold"],
+        "policy=full: a threshold keeps the entries whose score reaches it, and score=none has no score",
+    ),
+    (
+        ["policy=h2o", "policy.allocation=threshold"],
+        "policy=h2o: allocation 'threshold' needs option threshold (allocation.threshold=...)",
+    ),
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 
 
