@@ -122,7 +122,7 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     sliding = cfg.get("sliding_layers") or "window"
     score_spec = cfg.get("score", "none")
     if score_spec in (None, "none"):
-        if ALLOCATIONS.get(_options(cfg.get("allocation") or "uniform").get("kind")).thresholded:
+        if ALLOCATIONS.get(str(_options(cfg.get("allocation") or "uniform").get("kind"))).thresholded:
             raise ValueError(
                 "a threshold keeps the entries whose score reaches it, and score=none has no score: name a base "
                 f"score (policy.score=key_norm, or one of {SCORES.choices()})"

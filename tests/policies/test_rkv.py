@@ -146,7 +146,7 @@ def test_rkv_through_the_engine_equals_numpy_at_every_eviction(tiny, random_ids,
     g = generate(
         tiny.model, None, random_ids(30, seed=3), policy, 12, stage, DecodeSettings(max_new_tokens=6), stride=8
     )
-    assert len(g.tokens) == 6 and score.calls >= 6
+    assert len(g.tokens) == 6 and score.calls >= 5  # one eviction per decode step at least
 
 
 def test_rkv_is_refused_for_the_prompt_alone() -> None:
