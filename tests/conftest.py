@@ -56,6 +56,15 @@ def tiny_policy_cfg(name: str, **extra) -> dict:
     return tiny_counts(OmegaConf.to_container(cfg, resolve=True))
 
 
+def keeping_all(cfg: dict) -> dict:
+    """A policy's config as a budget of the sequence length keeps everything: a threshold allocation decides
+    what is kept whatever the budget, so there it gets the threshold every score reaches."""
+    allocation = cfg.get("allocation")
+    if isinstance(allocation, dict) and allocation.get("kind") == "threshold":
+        return cfg | {"allocation": allocation | {"threshold": float("-inf")}}
+    return cfg
+
+
 @pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
     lm = load_model("tiny-llama", source="tiny", dtype="float32", device="cpu")

@@ -82,6 +82,14 @@ def quantize_problem(name: str) -> str | None:
     return None if name == "none" or name in QUANTIZERS else f"is unknown; choose one of none, {QUANTIZERS.choices()}"
 
 
+def merge_problem(spec: Any) -> str | None:
+    """false, true, or a merge kind of kvbench.policies.registry (its options are checked with the policy)."""
+    from kvbench.policies.registry import MERGE_CHOICES, MERGES, merge_kind  # not at import: it pulls in torch
+
+    kind = merge_kind(spec)[0]
+    return None if kind is None or (isinstance(kind, str) and kind in MERGES) else f"must be {MERGE_CHOICES}"
+
+
 POSITIVE = "a positive integer"
 
 
@@ -105,7 +113,7 @@ class PolicyConfig:
     score: Any = setting("none", expect="a score kind or {kind: ..., options}")
     scope: Any = setting("all", expect="a scope kind or {kind: ..., options}")
     allocation: Any = setting("uniform", expect="an allocation kind or {kind: ..., options}")
-    merge: bool = setting(False, expect="true or false")
+    merge: Any = setting(False, expect="true or false", check=merge_problem)
     quantize: str = setting("none", expect="none or a quantisation", check=quantize_problem)
     positions: Positions = setting(Positions.absolute, expect="a position mode")
     sliding_layers: SlidingLayers = setting(SlidingLayers.window, expect="a sliding-layer mode")

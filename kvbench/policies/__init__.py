@@ -4,8 +4,8 @@ Named policies are configs in ``configs/policy/``, one file each naming its part
 ``registry.py`` turns one into a ``Policy``): e.g. ``h2o`` is the ``accumulated`` score with a ``sinks_window``
 scope, ``pyramidkv`` the ``snapkv`` score with a ``pyramid`` allocation. The parts are found by name in ``parts.py``.
 
-Extras compose with any of them: ``merge: true`` (merge.py), ``quantize: int8`` (any quantiser of quantize.py),
-``positions: reindex`` (positions.py).
+Extras compose with any of them: ``merge: true`` (merge.py) or ``merge: cam`` (cam.py), ``quantize: int8`` (any
+quantiser of quantize.py), ``positions: reindex`` (positions.py).
 
 Adding a part is adding a module: a ``Score`` in ``scores/`` registered with ``@register_score("name")`` (it
 declares the statistics it ``needs``, its ``history`` if it reads the query log, its ``unsupported_stages``, its

@@ -2,8 +2,9 @@
 
 ``Score`` ranks a layer's held tokens per KV head, ``Scope`` shields some of them from eviction whatever
 their score, ``Allocation`` splits the budget across layers and (optionally) across the heads of a layer.
-The extras compose with any of them: ``merge`` folds evicted entries into kept ones, ``quantize`` stores
-kept entries as int8/fp8, ``positions`` chooses absolute RoPE positions or StreamingLLM's re-indexing.
+The extras compose with any of them: ``merge`` folds evicted entries into kept ones (policies.merge, policies.cam),
+``quantize`` stores kept entries as int8/fp8, ``positions`` chooses absolute RoPE positions or StreamingLLM's
+re-indexing.
 
 Named policies only choose the parts (configs/policy/*.yaml).
 """
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from kvbench.policies.inputs import WEIGHTS, Queries
+from kvbench.policies.merge import CosineMerge, Merge
 from kvbench.policies.running import RowSum
 from kvbench.policies.state import TokenState
 from kvbench.policies.statistics import attention_names
@@ -129,6 +131,9 @@ class Allocation:
 
     # True when heads of a layer get different budgets (the cache then stores per-head lengths).
     per_head: bool = False
+    # True when what a row keeps follows its scores, not a count (a threshold): the allocation then decides at
+    # every evicting step, under the budget or over it, and the budget only caps what a row keeps.
+    thresholded: bool = False
 
     def layer_budgets(self, budget: int, n_layers: int, limit: int | None = None, reserved: int = 0) -> list[int]:
         """Per-layer token budgets (per KV head, on average), summing to ``n_layers × budget``. ``limit`` is the
@@ -158,8 +163,8 @@ class Policy:
     scope: Scope
     evicts: bool = True
     allocation: Allocation = field(default_factory=Allocation)
-    # Fold evicted entries into their most similar kept entry (see policies.merge).
-    merge: bool = False
+    # What becomes of evicted entries (policies.merge): None (dropped), a Merge; True is the cosine merge.
+    merge: Merge | bool | None = None
     # None, or a quantiser (see policies.quantize) applied to every stored entry.
     quantize: Any = None
     # "absolute": kept keys keep their true RoPE rotation. "reindex": StreamingLLM's positions within the cache.
@@ -171,6 +176,8 @@ class Policy:
     sliding_layers: str = "window"
 
     def __post_init__(self) -> None:
+        if isinstance(self.merge, bool):
+            self.merge = CosineMerge() if self.merge else None
         if self.positions not in POSITION_MODES:
             raise ValueError(f"positions {self.positions!r} must be one of {POSITION_MODES}")
         if self.sliding_layers not in SLIDING_MODES:
@@ -194,7 +201,7 @@ class Policy:
         """Per-token statistics the layers keep for this policy (none for a cache that never evicts)."""
         if not self.evicts:
             return frozenset()
-        merging = frozenset({"acc", "mass"}) if self.merge else frozenset()
+        merging = self.merge.needs if isinstance(self.merge, Merge) else frozenset()
         return self.score.needs | self.scope.needs | merging
 
     @property

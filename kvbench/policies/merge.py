@@ -1,6 +1,10 @@
-"""Merging: evicted entries are folded into their most similar kept entry instead of being dropped.
+"""Merging: evicted entries are folded into kept ones instead of being dropped.
 
-Per KV head, each evicted entry e goes to the kept entry k*(e) = argmax_k cos(key_e, key_k) (cosine
+A ``Merge`` is what a policy's ``merge`` names: ``true`` (or ``cosine``) is the rule below, ``cam`` CaM's
+(``policies.cam``). It reads the layer's state and the keep mask at an eviction and returns the kept entries' new
+keys and values, and the attention weight each absorbed when it keeps one (the ``mass`` statistic).
+
+The cosine rule: per KV head, each evicted entry e goes to the kept entry k*(e) = argmax_k cos(key_e, key_k) (cosine
 similarity of the stored keys: rotated by their positions, or un-rotated under ``positions: reindex``).
 Every kept entry k then becomes the attention-weighted average of itself and everything folded into it:
 
@@ -14,9 +18,44 @@ Similarities are computed a block of evicted rows at a time, never an n × n mat
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
 import torch
 
+from kvbench.policies.state import TokenState
+
 BLOCK_ELEMENTS = 1 << 22
+
+
+@dataclass
+class Merged:
+    """Every entry's keys and values after a merge, [H, n, D] float32 (only kept entries are written back), and
+    the weight each kept entry absorbed, [H, n] (None: the merge keeps no ``mass``)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    absorbed: torch.Tensor | None
+
+
+class Merge(ABC):
+    """What becomes of the entries an eviction drops. ``needs``: the statistics it reads."""
+
+    needs: frozenset[str] = frozenset()
+
+    @abstractmethod
+    def __call__(self, state: TokenState, keep: torch.Tensor) -> Merged:
+        """``keep`` [H, n]: what the eviction keeps of ``state``'s entries."""
+
+
+class CosineMerge(Merge):
+    """Each evicted entry folded into its most similar kept key, weighted by attention (this module's rule)."""
+
+    needs = frozenset({"acc", "mass"})
+
+    def __call__(self, state: TokenState, keep: torch.Tensor) -> Merged:
+        weights = state.stats["acc"] + state.stats["mass"]
+        return Merged(*merge_evicted(state.keys, state.values, weights, keep, state.valid))
 
 
 def merge_evicted(

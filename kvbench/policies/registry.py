@@ -7,7 +7,7 @@ A policy config names its parts and carries their options (every option is a Hyd
     score: {kind: accumulated}            # or a bare kind: ``score: accumulated``; ``none`` = full cache
     scope: {kind: sinks_window, n_sink: 0, window: 0.5}
     allocation: {kind: uniform}           # uniform | pyramid (beta) | adaptive (floor)
-    merge: false                          # fold evicted entries into their most similar kept entry
+    merge: false                          # true: fold evicted entries into their most similar kept entry; cam
     quantize: none                        # none | int8 | fp8
     positions: absolute                   # absolute | reindex
     sliding_layers: window                # window | evict (hybrid models' sliding layers; see engine.plan)
@@ -22,7 +22,9 @@ import typing
 from typing import Any, TypeVar
 
 from kvbench.policies.base import Policy, Score
+from kvbench.policies.cam import CamMerge
 from kvbench.policies.full import never_evicting
+from kvbench.policies.merge import CosineMerge, Merge
 from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
 from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scores.shared import SharedAcrossHeads
@@ -50,6 +52,10 @@ def _part(table: Registry[type[P]], spec: Any) -> P:
         raise ValueError(
             f"{what} {kind!r} has no option {', '.join(unknown)}; its options are {', '.join(allowed) or 'none'}"
         )
+    required = (p.name for p in params.values() if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD)
+    missing = [name for name in required if name not in options and name != "self"]
+    if missing:
+        raise ValueError(f"{what} {kind!r} needs option {', '.join(missing)} ({what}.{missing[0]}=...)")
     hints = typing.get_type_hints(cls.__init__)
     for key, value in options.items():
         if key in hints and not _accepts(hints[key], value):
@@ -87,6 +93,31 @@ def build_score(spec: Any) -> Score:
     return SharedAcrossHeads(score) if shared else score
 
 
+MERGES: dict[str, type[Merge]] = {"cosine": CosineMerge, "cam": CamMerge}
+MERGE_CHOICES = "true or false, or a merge kind: cosine (true), cam, {kind: cam, merge_budget: ...}"
+
+
+def merge_kind(spec: Any) -> tuple[Any, dict[str, Any]]:
+    """A ``merge`` setting's kind (None: evicted entries are dropped) and options: false, true (``cosine``), a
+    kind, or ``{kind: ..., options}``."""
+    if spec in (None, False, "none", "false", "off", 0):
+        return None, {}
+    if spec in (True, "true", "on", 1):
+        return "cosine", {}
+    options = _options(spec)
+    return options.pop("kind", None), options
+
+
+def build_merge(spec: Any) -> Merge | None:
+    """The ``Merge`` a policy's ``merge`` setting names (policies.merge, policies.cam), or None."""
+    kind, options = merge_kind(spec)
+    if kind is None:
+        return None
+    if not isinstance(kind, str) or kind not in MERGES:
+        raise ValueError(f"merge={spec!r} must be {MERGE_CHOICES}")
+    return MERGES[kind](**options)
+
+
 def build_policy(cfg: dict[str, Any]) -> Policy:
     """``score: none`` means the full cache: nothing is ever evicted (it may still be quantised)."""
     cfg = dict(cfg)
@@ -96,10 +127,15 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     name = cfg["name"]
     quantize = build_quantizer(cfg.get("quantize"))
     positions = cfg.get("positions") or "absolute"
-    merge = _flag(cfg.get("merge", False), "merge")
+    merge = build_merge(cfg.get("merge", False))
     sliding = cfg.get("sliding_layers") or "window"
     score_spec = cfg.get("score", "none")
     if score_spec in (None, "none"):
+        if ALLOCATIONS.get(str(_options(cfg.get("allocation") or "uniform").get("kind"))).thresholded:
+            raise ValueError(
+                "a threshold keeps the entries whose score reaches it, and score=none has no score: name a base "
+                f"score (policy.score=key_norm, or one of {SCORES.choices()})"
+            )
         return never_evicting(name, quantize, positions, sliding_layers=sliding)
     score = build_score(score_spec)
     scope = _part(SCOPES, cfg.get("scope", "all"))

@@ -32,7 +32,8 @@ def hydra_configs():
 def test_every_policy_gets_the_extras_and_takes_their_overrides(hydra_configs):
     for name in POLICIES:
         cfg = compose("config", overrides=[*TINY, f"policy={name}"])
-        assert (cfg.policy.merge, cfg.policy.quantize, cfg.policy.positions) == (False, "none", "absolute"), name
+        merges = yaml.safe_load((CONFIG_DIR / "policy" / f"{name}.yaml").read_text()).get("merge", False)
+        assert (cfg.policy.merge, cfg.policy.quantize, cfg.policy.positions) == (merges, "none", "absolute"), name
         changed = compose(
             "config", overrides=[*TINY, f"policy={name}", "policy.quantize=int8", "policy.positions=reindex"]
         )

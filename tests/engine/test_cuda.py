@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from conftest import keeping_all, tiny_policy_cfg
 from engine_run import generate
 from test_batches import NAMED, check_batch, named, requests
 
@@ -23,6 +24,7 @@ from kvbench.engine.attention import ATTN_NAME
 from kvbench.engine.cache import store
 from kvbench.engine.engine import DecodeSettings
 from kvbench.models import LoadedModel, load_model
+from kvbench.policies.registry import build_policy
 
 DEVICE = torch.device(os.environ.get("KVBENCH_TEST_DEVICE", "cuda"))
 ON_CUDA = DEVICE.type == "cuda"
@@ -66,7 +68,7 @@ def test_budget_at_least_length_equals_generate(device_tiny, hf_reference, name,
         device_tiny.model,
         None,
         ids,
-        named(name),
+        build_policy(keeping_all(tiny_policy_cfg(name))),
         PROMPT + NEW,
         stage,
         DecodeSettings(max_new_tokens=NEW),

@@ -154,6 +154,7 @@ CASES = [
     (["batch_size=0"], "batch_size=0 must be a positive integer (sequences decoded together)"),
     (["policy=h2o", "policy.quantize=int4"], "policy.quantize='int4' is unknown; choose one of none, fp8, int8"),
     (["policy=h2o", "policy.merge=maybe"], "policy.merge='maybe' must be true or false"),
+    (["policy=cam", "policy.merge.merge_budget=0"], "policy=cam: merge_budget=0 must be a positive integer"),
     (
         ["policy=h2o", "policy.scope.window=1.5"],
         "policy=h2o: scope.window=1.5 must be a fraction in [0, 1] of the budget or an integer count",
@@ -173,6 +174,17 @@ CASES = [
         "policy=chunkkv: score.shared=true (on the score or its base) keeps one set per layer",
     ),
     (["policy=lagkv", "policy.score.lag_size=0"], "policy=lagkv: lagkv lag_size=0 must be at least 1 token"),
+    # R-KV compresses what the model generates.
+    (["policy=rkv", "stage=prefill"], "policy=rkv cannot run in stage=prefill; use stage in ['decode', 'both']"),
+    # A threshold keeps what its base score reaches: the full cache has no score, and the value has no default.
+    (
+        ["policy=full", "policy.allocation=threshold"],
+        "policy=full: a threshold keeps the entries whose score reaches it, and score=none has no score",
+    ),
+    (
+        ["policy=h2o", "policy.allocation=threshold"],
+        "policy=h2o: allocation 'threshold' needs option threshold (allocation.threshold=...)",
+    ),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 

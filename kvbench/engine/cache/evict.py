@@ -18,7 +18,7 @@ import torch
 from kvbench.engine.cache.entries import Entries
 from kvbench.engine.cache.store import KVStore, layer_runs
 from kvbench.policies.base import Policy
-from kvbench.policies.merge import merge_evicted
+from kvbench.policies.merge import Merge
 from kvbench.policies.state import Stats, TokenState
 from kvbench.policies.statistics import FromPositions, declared
 
@@ -160,21 +160,20 @@ def evict_group(
             return
         keep = torch.zeros_like(state.positions, dtype=torch.bool).scatter_(1, kept, True)
     merged = None
-    if policy.merge:
-        weights = state.stats["acc"] + state.stats["mass"] if "mass" in state.stats else state.stats["acc"]
-        merged = merge_evicted(state.keys, state.values, weights, keep, state.valid)
+    if isinstance(policy.merge, Merge):
+        merged = policy.merge(state, keep)
         flat = torch.arange(entries.layers * entries.rows, device=keep.device) if rows is None else rows
         layer = int(flat[0]) // entries.rows
         local = (flat - layer * entries.rows).unsqueeze(1).expand(-1, n)[keep]
         slots = entries.gather_rows(entries.order, rows)[:, :n][keep]
     entries.keep_mask(rows, keep, state.valid_mask())
     if merged is not None:
-        k_new, v_new, absorbed = merged
         store = stores[layer]
         if entries.row_sums is not None:  # the kept entries' old keys and values leave the sums, the merged join
             entries.row_sums.remove(layer * entries.rows + local, slots.unsqueeze(1))
-        store.write(local, slots.unsqueeze(1), k_new[keep].to(store.dtype), v_new[keep].to(store.dtype))
+        store.write(local, slots.unsqueeze(1), merged.keys[keep].to(store.dtype), merged.values[keep].to(store.dtype))
         if entries.row_sums is not None:
             entries.row_sums.add(layer, local, slots.unsqueeze(1))
-        entries.add_to_column("mass", layer, local, slots, absorbed[keep])
+        if merged.absorbed is not None:
+            entries.add_to_column("mass", layer, local, slots, merged.absorbed[keep])
         features(layer, local, slots)

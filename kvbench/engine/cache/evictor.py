@@ -66,7 +66,7 @@ class Evictor:
                 budget = self.budgets[layer][s]
                 if step.evicts and policy.evicts and budget is not None:
                     size = sum(counts) if per_head else counts[0]
-                    if size > (budget * e.heads if per_head else budget):
+                    if size > (budget * e.heads if per_head else budget) or policy.allocation.thresholded:
                         key = group_key(plan, policy, layer, budget, size)
                         groups.setdefault(key, evicting.Group(policy, budget, plan.window)).units.append((layer, s))
                         continue
@@ -157,5 +157,7 @@ class Evictor:
 
 def group_key(plan: LayerPlan, policy: Policy, layer: int, budget: int, size: int) -> tuple:
     """What a (layer, lane) unit's eviction depends on: units of one key are scored as one state. Merging units
-    stay within their layer (merged keys and values are written back to one layer's store)."""
-    return (id(policy), plan.window, size, budget, layer if policy.merge else None)
+    stay within their layer (merged keys and values are written back to one layer's store); a thresholded
+    allocation decides each row alone, so its units join whatever they hold."""
+    held = None if policy.allocation.thresholded else size
+    return (id(policy), plan.window, held, budget, layer if policy.merge else None)
