@@ -83,6 +83,7 @@ def quantize_problem(name: str) -> str | None:
 
 
 POSITIVE = "a positive integer"
+INTERVAL = "a positive integer (decode steps from one eviction to the next; 1: every step)"
 
 
 @dataclass
@@ -109,6 +110,7 @@ class PolicyConfig:
     quantize: str = setting("none", expect="none or a quantisation", check=quantize_problem)
     positions: Positions = setting(Positions.absolute, expect="a position mode")
     sliding_layers: SlidingLayers = setting(SlidingLayers.window, expect="a sliding-layer mode")
+    interval: int = setting(1, expect=INTERVAL, check=at_least(1, INTERVAL))
 
 
 @dataclass

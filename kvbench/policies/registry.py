@@ -11,6 +11,7 @@ A policy config names its parts and carries their options (every option is a Hyd
     quantize: none                        # none | int8 | fp8
     positions: absolute                   # absolute | reindex
     sliding_layers: window                # window | evict (hybrid models' sliding layers; see engine.plan)
+    interval: 1                           # decode steps from one eviction to the next
 
 A score may carry ``shared: true`` (one kept set per layer: the score averaged over KV heads).
 """
@@ -31,7 +32,17 @@ from kvbench.registry import Registry
 from kvbench.tasks.options import describe
 
 P = TypeVar("P")
-POLICY_KEYS = ("name", "score", "scope", "allocation", "merge", "quantize", "positions", "sliding_layers")
+POLICY_KEYS = (
+    "name",
+    "score",
+    "scope",
+    "allocation",
+    "merge",
+    "quantize",
+    "positions",
+    "sliding_layers",
+    "interval",
+)
 
 
 def _options(spec: Any) -> dict[str, Any]:
@@ -118,4 +129,6 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         quantize=quantize,
         positions=positions,
         sliding_layers=sliding,
+        interval=cfg.get("interval", 1),
     )
+

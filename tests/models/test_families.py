@@ -424,3 +424,60 @@ def test_pyramid_on_an_all_sliding_model_keeps_the_uniform_total():
     for budget in (4, 5, 8):
         plans = plan_layers(build_policy(small), budget, layer_windows(config), "both", 20, 0, 8, 20)
         assert sum(p.budget for p in plans) == 4 * min(budget, WINDOW - 1), budget
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_decode_schedule_equals_masked_replay_and_generate_at_the_length(family, prompt):
+    """``policy.interval=3``: rows grow past the budget between evictions. The family's eager attention, masked
+    after each step to what kvbench held then, gives kvbench's logits at every step; a budget of the length is
+    the family's generate."""
+    model = build(family)
+    ref_tokens, ref_logits = family_greedy(model, prompt, NEW)
+    moved = 0.0
+    for name in ("h2o", "streamingllm", "tova"):
+        policy = named(name, interval=3)
+        for stage, stride in (("both", 7), ("decode", None)):
+            g = generate(
+                model,
+                None,
+                prompt,
+                build_policy(policy),
+                6,
+                stage,
+                DecodeSettings(max_new_tokens=NEW),
+                stride=stride,
+                return_logits=True,
+                trace=True,
+            )
+            where = f"{family} {name} interval=3 {stage} stride={stride}"
+            assert max(held.shape[-1] for held in g.trace[-1]) > 6, where  # the last step did not evict
+            replayed = eager_replay(model, prompt, g.tokens, g.trace, stride)
+            torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4, msg=where)
+            every = generate(
+                model,
+                None,
+                prompt,
+                build_policy(named(name)),
+                6,
+                stage,
+                DecodeSettings(max_new_tokens=NEW),
+                stride=stride,
+                return_logits=True,
+                forced_tokens=g.tokens,
+            )
+            moved = max(moved, float((every.logits - g.logits).abs().max()))
+        g = generate(
+            model,
+            None,
+            prompt,
+            build_policy(policy),
+            PROMPT + NEW,
+            "both",
+            DecodeSettings(max_new_tokens=NEW),
+            stride=7,
+            return_logits=True,
+        )
+        assert g.tokens == ref_tokens, f"{family} {name}"
+        torch.testing.assert_close(g.logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert moved > 1e-3  # the schedule has teeth: evicting every step gives other logits
+

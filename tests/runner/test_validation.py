@@ -165,6 +165,10 @@ CASES = [
         ["policy=h2o", "+policy.scope.windw=1"],
         "policy=h2o: scope 'sinks_window' has no option windw; its options are n_sink, window",
     ),
+    (
+        ["policy=h2o", "policy.interval=0"],
+        "policy.interval=0 must be a positive integer (decode steps from one eviction to the next; 1: every step)",
+    ),
     # Policy.unsupported_stages: SnapKV scores from the prompt's observation window, so it only compresses a prompt.
     (["policy=snapkv", "stage=decode"], "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']"),
 ]
