@@ -481,3 +481,27 @@ def test_a_decode_schedule_equals_masked_replay_and_generate_at_the_length(famil
         torch.testing.assert_close(g.logits, ref_logits, rtol=1e-5, atol=1e-5)
     assert moved > 1e-3  # the schedule has teeth: evicting every step gives other logits
 
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_policy_per_phase_equals_masked_replay(family, prompt):
+    """SnapKV compresses the prompt, then H2O or the window evicts while decoding (``policy.prefill`` /
+    ``policy.decode``): the family's eager attention masked to the kept set gives kvbench's logits."""
+    model = build(family)
+    snapkv = named("snapkv", score=NAMED["snapkv"]["score"] | {"window": 4}, scope={"kind": "sinks_window", "window": 4})
+    for decode in ("h2o", "window"):
+        policy = build_policy(named("snapkv", prefill=snapkv, decode=NAMED[decode]))
+        for stride in (None, 7):
+            g = generate(
+                model,
+                None,
+                prompt,
+                policy,
+                6,
+                "both",
+                DecodeSettings(max_new_tokens=NEW),
+                stride=stride,
+                return_logits=True,
+                trace=True,
+            )
+            replayed = eager_replay(model, prompt, g.tokens, g.trace, stride)
+            torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4, msg=f"{family} {decode} {stride}")

@@ -40,6 +40,11 @@ def cell_dir(*overrides: str) -> str:
         ),
         (["model=gemma3-270m", "policy=profiled/snapkv"], "gemma3-270m/retrieval/snapkv_profiled/prefill/budget=0.5"),
         (["policy=window", "batch_size=4"], "smollm2-135m/retrieval/window/prefill/budget=0.5/batch=4"),
+        # A decode schedule and a policy per phase are policy settings.
+        (
+            ["policy=snapkv", "policy.decode=h2o", "policy.interval=8", "stage=both"],
+            "smollm2-135m/retrieval/snapkv/interval=8,decode=h2o/both/budget=0.5",
+        ),
         # Settings given at their defaults, and the keys that say where results go or how they are tracked.
         (
             ["policy=h2o", "policy.quantize=none", "policy.scope.window=0.5", "task.n=10"],
@@ -198,3 +203,4 @@ def test_an_ablation_sweep_runs_every_cell_resumes_and_the_report_tells_them_apa
     report = (tmp_path / "report" / "report.md").read_text()
     assert "Every cell changes these of its named defaults: `task.max_new_tokens=3`." in report
     assert "| h2o (window=0.75, quantize=int8) |" in report
+
