@@ -39,9 +39,7 @@ def named_policy(name: str) -> dict[str, Any]:
     try:
         if HydraConfig.initialized():
             hydra = HydraConfig.get()
-            config = composed(
-                str(hydra.job.config_name), (f"policy={name}",), tuple(str(p) for p in hydra.searchpath)
-            )
+            config = composed(str(hydra.job.config_name), (f"policy={name}",), tuple(str(p) for p in hydra.searchpath))
         elif GlobalHydra.instance().is_initialized():
             config = composed("config", (f"policy={name}",))
         else:

@@ -116,7 +116,9 @@ def plan_layers(
     for i, window in enumerate(windows):
         b = budgets[i]
         if window is None:
-            plans.append(LayerPlan(b, *plan_capacity(stage, b, context, suffix, max_new, chunk, policy.interval), total))
+            plans.append(
+                LayerPlan(b, *plan_capacity(stage, b, context, suffix, max_new, chunk, policy.interval), total)
+            )
             continue
         hold_cap = plan_capacity("both", window - 1, context, suffix, max_new, chunk)
         if i in evicting and b is not None:

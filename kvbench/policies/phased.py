@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from kvbench.policies.base import Score, ScoreWrapper, Scope
+from kvbench.policies.base import Scope, Score, ScoreWrapper
 from kvbench.policies.running import RowSum
 from kvbench.policies.state import TokenState
 from kvbench.stages import Phase

@@ -52,8 +52,12 @@ def test_rows_hold_the_budget_after_each_eviction_and_grow_by_one_a_step_in_betw
 
 def test_each_sequence_of_a_batch_keeps_its_own_schedule(tiny, random_ids):
     """Sequences join the batch at different steps; each evicts every k-th of its own decode steps, as alone."""
-    requests = [Request(random_ids(30 + 7 * i, seed=20 + i), settings=DecodeSettings(max_new_tokens=9 + i)) for i in range(3)]
-    alone = [generate_batch(tiny.model, None, [r], policy("h2o", 4), 8, "both", return_logits=True)[0] for r in requests]
+    requests = [
+        Request(random_ids(30 + 7 * i, seed=20 + i), settings=DecodeSettings(max_new_tokens=9 + i)) for i in range(3)
+    ]
+    alone = [
+        generate_batch(tiny.model, None, [r], policy("h2o", 4), 8, "both", return_logits=True)[0] for r in requests
+    ]
     batched = generate_batch(tiny.model, None, requests, policy("h2o", 4), 8, "both", 2, return_logits=True, trace=True)
     for one, together in zip(alone, batched):
         assert one.tokens == together.tokens
@@ -65,7 +69,9 @@ def test_each_sequence_of_a_batch_keeps_its_own_schedule(tiny, random_ids):
 def test_stage_decode_first_evicts_at_the_intervals_step(tiny, random_ids):
     """stage=decode holds the whole prompt until its first evicting step, the interval-th."""
     ids = random_ids(30, seed=12)
-    g = generate(tiny.model, None, ids, policy("window", 4), 12, "decode", DecodeSettings(max_new_tokens=NEW), trace=True)
+    g = generate(
+        tiny.model, None, ids, policy("window", 4), 12, "decode", DecodeSettings(max_new_tokens=NEW), trace=True
+    )
     held = [int(held_per_head(layers[0]).max()) for layers in g.trace]
     assert held[:4] == [30, 31, 32, 33]
     assert held[4:] == [12 + step % 4 for step in range(4, NEW)]
@@ -75,7 +81,9 @@ def test_stage_decode_first_evicts_at_the_intervals_step(tiny, random_ids):
 def test_interval_one_is_every_step_and_a_budget_of_the_length_changes_nothing(tiny, random_ids):
     ids = random_ids(24, seed=13)
     settings = DecodeSettings(max_new_tokens=NEW)
-    default = generate(tiny.model, None, ids, build_policy(tiny_policy_cfg("h2o")), 0.5, "both", settings, return_logits=True)
+    default = generate(
+        tiny.model, None, ids, build_policy(tiny_policy_cfg("h2o")), 0.5, "both", settings, return_logits=True
+    )
     every = generate(tiny.model, None, ids, policy("h2o", 1), 0.5, "both", settings, return_logits=True)
     assert default.tokens == every.tokens and torch.equal(default.logits, every.logits)
     assert default.measures.peak_kept_tokens == 12

@@ -433,7 +433,7 @@ def test_a_decode_schedule_equals_masked_replay_and_generate_at_the_length(famil
     the family's generate."""
     model = build(family)
     ref_tokens, ref_logits = family_greedy(model, prompt, NEW)
-    moved = 0.0
+    moved, has_full = 0.0, None in layer_windows(model.config)
     for name in ("h2o", "streamingllm", "tova"):
         policy = named(name, interval=3)
         for stage, stride in (("both", 7), ("decode", None)):
@@ -450,7 +450,8 @@ def test_a_decode_schedule_equals_masked_replay_and_generate_at_the_length(famil
                 trace=True,
             )
             where = f"{family} {name} interval=3 {stage} stride={stride}"
-            assert max(held.shape[-1] for held in g.trace[-1]) > 6, where  # the last step did not evict
+            if has_full:  # a full-attention layer grew: the last step did not evict
+                assert max(held.shape[-1] for held in g.trace[-1]) > 6, where
             replayed = eager_replay(model, prompt, g.tokens, g.trace, stride)
             torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4, msg=where)
             every = generate(
@@ -479,7 +480,8 @@ def test_a_decode_schedule_equals_masked_replay_and_generate_at_the_length(famil
         )
         assert g.tokens == ref_tokens, f"{family} {name}"
         torch.testing.assert_close(g.logits, ref_logits, rtol=1e-5, atol=1e-5)
-    assert moved > 1e-3  # the schedule has teeth: evicting every step gives other logits
+    # The schedule has teeth: evicting every step gives other logits (where a layer holds more than its window).
+    assert moved > 1e-3 or not has_full
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -487,7 +489,9 @@ def test_a_policy_per_phase_equals_masked_replay(family, prompt):
     """SnapKV compresses the prompt, then H2O or the window evicts while decoding (``policy.prefill`` /
     ``policy.decode``): the family's eager attention masked to the kept set gives kvbench's logits."""
     model = build(family)
-    snapkv = named("snapkv", score=NAMED["snapkv"]["score"] | {"window": 4}, scope={"kind": "sinks_window", "window": 4})
+    snapkv = named(
+        "snapkv", score=NAMED["snapkv"]["score"] | {"window": 4}, scope={"kind": "sinks_window", "window": 4}
+    )
     for decode in ("h2o", "window"):
         policy = build_policy(named("snapkv", prefill=snapkv, decode=NAMED[decode]))
         for stride in (None, 7):

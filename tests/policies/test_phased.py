@@ -31,7 +31,7 @@ def run(tiny, ids, policy, budget, stage="both", stride=None):
     )
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova", "adakv", "scissorhands", "roco"])
+@pytest.mark.parametrize("name", ["h2o", "tova", "vatp", "scissorhands", "roco"])
 def test_a_policy_named_for_both_phases_is_the_policy_itself(tiny, random_ids, name):
     ids = random_ids(40, seed=30)
     for stride in (None, 8):
@@ -73,7 +73,7 @@ def test_the_cache_keeps_what_either_phase_reads():
         (None, "snapkv", "h2o", "policy.decode=snapkv cannot evict in the decode phase: SnapKV scores the prompt"),
         ("h2o", "full", "h2o", "policy.decode=full never evicts"),
         (None, "h2o", "full", r"policy=full \(policy.prefill is not set\) never evicts"),
-        (None, "adakv", "snapkv", "policy.decode=adakv splits the budget by allocation"),
+        ("adakv", None, "h2o", "policy.prefill=adakv splits the budget by allocation"),
         ("snapkv", None, "scissorhands", "keep different query logs"),
     ],
 )

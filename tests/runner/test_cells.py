@@ -218,4 +218,4 @@ def test_a_budget_of_one_in_thirty_two_runs_and_is_reported(tmp_path, sweep_in_p
         assert row["budget_tokens"] == -(-row["prompt_tokens"] // 32)
         assert row["kept_tokens"] == row["budget_tokens"] + row["new_tokens"] - 1
     build_report([tmp_path / "ratios"], tmp_path / "report", n_boot=20, log=io.StringIO())
-    assert "0.03125" in (tmp_path / "report" / "report.md").read_text()
+    assert "| 3.125% |" in (tmp_path / "report" / "report.md").read_text()  # the budget column, in percent
