@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import CONFIG_DIR
+from omegaconf import OmegaConf
 
 from kvbench.budget import BudgetError, budget_tokens, parse_budget, share, too_small
 from kvbench.policies.registry import build_policy
@@ -113,3 +115,27 @@ def test_scopes_size_fractional_windows_with_the_same_rounding():
     assert SinksWindow(n_sink=0, window=0.5).window_size(25) == 13
     # Capped at what the sinks leave: 4 sinks of a 10-token budget leave 6, below the 0.9 * 10 = 9 asked.
     assert SinksWindow(n_sink=4, window=0.9).window_size(10) == 6
+
+
+@pytest.mark.parametrize(
+    "reference, tokens",
+    [
+        (4096, 128),  # 4096 / 32 exactly: 32:1, the compression kvpress's users ask for
+        (8000, 250),  # exactly 250
+        (100, 4),  # 3.125 rounds up
+        (31, 1),  # 0.96875 rounds up: never zero
+        (33, 2),  # 1.03125 rounds up
+    ],
+)
+def test_ratios_down_to_one_in_thirty_two_round_up(reference, tokens):
+    assert budget_tokens(0.03125, reference) == tokens
+    assert budget_tokens(0.0625, reference) == math.ceil(reference / 16)  # 16:1, also exact in binary
+
+
+def test_no_lower_bound_below_one_in_thirty_two_and_every_named_policy_takes_it_at_4k():
+    """The config takes any fraction above 0; at a 4k-token prompt 1/32 is 128 tokens, more than any named policy
+    always protects (the smallest budget a policy takes is per prompt: docs/budgets.md)."""
+    assert parse_budget(0.03125) == 0.03125 and parse_budget(1 / 64) == 1 / 64
+    for path in sorted(CONFIG_DIR.glob("policy/*.yaml")):
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        assert too_small(budget_tokens(0.03125, 4096), build_policy(cfg)) is None, path.name

@@ -91,6 +91,8 @@ def merge_problem(spec: Any) -> str | None:
 
 
 POSITIVE = "a positive integer"
+PHASE_POLICY = "the name of a policy in configs/policy/ (or null: the run's policy)"
+INTERVAL = "a positive integer (decode steps from one eviction to the next; 1: every step)"
 
 
 @dataclass
@@ -117,6 +119,10 @@ class PolicyConfig:
     quantize: str = setting("none", expect="none or a quantisation", check=quantize_problem)
     positions: Positions = setting(Positions.absolute, expect="a position mode")
     sliding_layers: SlidingLayers = setting(SlidingLayers.window, expect="a sliding-layer mode")
+    interval: int = setting(1, expect=INTERVAL, check=at_least(1, INTERVAL))
+    # stage=both: another named policy (configs/policy/) for one phase; null: this one (kvbench.policies.phased)
+    prefill: str | None = setting(None, expect=PHASE_POLICY)
+    decode: str | None = setting(None, expect=PHASE_POLICY)
 
 
 @dataclass

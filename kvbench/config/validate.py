@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.budget import too_small
+from kvbench.config.phases import resolve_phases
 from kvbench.config.read import read_run
 from kvbench.config.schema import SamplingConfig, Source, Stage
 from kvbench.config.spec import ConfigError, RunSpec
@@ -31,7 +32,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     task_data = dict(data.get("task") or {})
     run = read_run(data)
     _check_sampling(run.sampling)
-    policy_cfg = plain(run.policy)
+    policy_cfg = resolve_phases(plain(run.policy), run.stage)
     try:
         policy = build_policy(policy_cfg)
     except (ValueError, TypeError, KeyError) as err:

@@ -146,11 +146,12 @@ class BatchLoop:
                     input_ids=input_ids, position_ids=fed, use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}
                 ).logits[:, -1]
         cache.finish(step)
-        resident = cache.resident_by_lane(step.lanes)
-        for i, (s, t) in enumerate(zip(seqs, ids)):
+        held = cache.held_by_lane(step.lanes)
+        for i, (s, t, (resident, kept)) in enumerate(zip(seqs, ids, held)):
             s.position += len(t)
             s.forwards += 1
-            s.resident_peak = max(s.resident_peak, resident[i])
+            s.resident_peak = max(s.resident_peak, resident)
+            s.kept_peak = max(s.kept_peak, kept)
             if self.settings.trace:
                 s.traces.append(cache.kept_positions(i))
         return logits

@@ -47,9 +47,11 @@ class LayerPlan:
 
 
 def plan_capacity(
-    stage: str, budget: int | None, context: int, suffix: int, max_new: int, chunk: int
+    stage: str, budget: int | None, context: int, suffix: int, max_new: int, chunk: int, interval: int = 1
 ) -> tuple[int, int]:
-    """The most tokens a layer holds while the prompt (and suffix) is fed, and while decoding."""
+    """The most tokens a layer holds while the prompt (and suffix) is fed, and while decoding (a decode step
+    evicts every ``interval`` steps, so a row holds up to ``interval`` entries past its budget in the step that
+    evicts)."""
     total = context + suffix + max_new
     if budget is None:
         return context + suffix, total
@@ -58,7 +60,7 @@ def plan_capacity(
     held_in_prefill = min(context, budget + chunk) if prefill_evicts else context
     after_prefill = min(context, budget) if prefill_evicts else context
     after_suffix = after_prefill + suffix
-    decode = max(after_suffix, budget) + 1 if decode_evicts else after_suffix + max_new
+    decode = max(after_suffix, budget) + interval if decode_evicts else after_suffix + max_new
     return min(total, max(held_in_prefill, after_suffix)), min(total, decode)
 
 
@@ -114,12 +116,14 @@ def plan_layers(
     for i, window in enumerate(windows):
         b = budgets[i]
         if window is None:
-            plans.append(LayerPlan(b, *plan_capacity(stage, b, context, suffix, max_new, chunk), total))
+            plans.append(
+                LayerPlan(b, *plan_capacity(stage, b, context, suffix, max_new, chunk, policy.interval), total)
+            )
             continue
         hold_cap = plan_capacity("both", window - 1, context, suffix, max_new, chunk)
         if i in evicting and b is not None:
             b = min(b, window - 1)
-            caps = plan_capacity(stage, b, context, suffix, max_new, chunk)
+            caps = plan_capacity(stage, b, context, suffix, max_new, chunk, policy.interval)
             plans.append(LayerPlan(b, min(hold_cap[0], caps[0]), min(hold_cap[1], caps[1]), total, window))
         else:
             plans.append(LayerPlan(None, *hold_cap, total, window, policy=held_window))

@@ -61,7 +61,8 @@ class Sequence:
     latencies: list[float] = field(default_factory=list)
     step_batches: list[int] = field(default_factory=list)
     kept_after_prefill: list[float] = field(default_factory=list)
-    resident_peak: int = 0
+    resident_peak: int = 0  # bytes held at the end of a step, at most
+    kept_peak: float = 0.0  # entries held at the end of a step (mean over layers), at most
     t0: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
@@ -107,6 +108,7 @@ def finished_generation(
         budget_achieved=achieved,
         budget_achieved_per_layer=per_layer,
         kept_tokens=kept,
+        peak_kept_tokens=seq.kept_peak,
         seen_tokens=seen,
         kv_resident_bytes=summary.resident_bytes,
         kv_resident_peak_bytes=seq.resident_peak,

@@ -19,7 +19,8 @@ __all__ = ["Phase", "Stage", "Step"]
 @dataclass(frozen=True)
 class Step:
     """Lanes ``lanes`` (consecutive) each fed tokens at the absolute ``positions`` (one list per lane, all of one
-    length). ``evicts``: rows over their budget evict once every layer has attended. ``collects``: the attention
+    length). ``evicts``: rows over their budget evict once every layer has attended (in a decode step, those of
+    the lanes whose decode schedule is due: ``Evictor.due``). ``collects``: the attention
     reduces the statistics the policy reads (this step or a later one evicts). ``replay_masks``: masked replay,
     per layer [rows of the lanes, positions so far] — which positions each row may see (None: what it holds)."""
 

@@ -174,10 +174,15 @@ class Policy:
     # Sliding-window layers of a hybrid model: "window" (they hold their window, the budget is the full-attention
     # layers') or "evict" (the policy evicts there too, to at most the window). See kvbench.engine.plan.
     sliding_layers: str = "window"
+    # Decode steps from one eviction to the next (kvpress's DecodingPress ``compression_interval``): between
+    # evictions a row grows past its budget by up to ``interval - 1`` entries. 1: every decode step evicts.
+    interval: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.merge, bool):
             self.merge = CosineMerge() if self.merge else None
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"interval={self.interval!r} must be a positive integer (decode steps between evictions)")
         if self.positions not in POSITION_MODES:
             raise ValueError(f"positions {self.positions!r} must be one of {POSITION_MODES}")
         if self.sliding_layers not in SLIDING_MODES:

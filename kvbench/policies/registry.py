@@ -11,6 +11,9 @@ A policy config names its parts and carries their options (every option is a Hyd
     quantize: none                        # none | int8 | fp8
     positions: absolute                   # absolute | reindex
     sliding_layers: window                # window | evict (hybrid models' sliding layers; see engine.plan)
+    interval: 1                           # decode steps from one eviction to the next
+    prefill: null                         # another policy's config for the prompt (kvbench.policies.phased)
+    decode: null                          # another policy's config for decoding
 
 A score may carry ``shared: true`` (one kept set per layer: the score averaged over KV heads).
 """
@@ -26,6 +29,7 @@ from kvbench.policies.cam import CamMerge
 from kvbench.policies.full import never_evicting
 from kvbench.policies.merge import CosineMerge, Merge
 from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
+from kvbench.policies.phased import PhasedScope, PhasedScore
 from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scores.shared import SharedAcrossHeads
 from kvbench.policies.statistics import STATISTICS
@@ -33,7 +37,22 @@ from kvbench.registry import Registry
 from kvbench.tasks.options import describe
 
 P = TypeVar("P")
-POLICY_KEYS = ("name", "score", "scope", "allocation", "merge", "quantize", "positions", "sliding_layers")
+POLICY_KEYS = (
+    "name",
+    "score",
+    "scope",
+    "allocation",
+    "merge",
+    "quantize",
+    "positions",
+    "sliding_layers",
+    "interval",
+    "prefill",
+    "decode",
+)
+PHASES = ("prefill", "decode")
+# What shapes the cache, the run's for both phases of a policy per phase (the allocation is checked instead).
+CACHE_KEYS = ("merge", "quantize", "positions", "sliding_layers", "interval")
 
 
 def _options(spec: Any) -> dict[str, Any]:
@@ -124,6 +143,9 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     unknown = sorted(set(cfg) - set(POLICY_KEYS))
     if unknown:
         raise ValueError(f"unknown policy key(s) {', '.join(unknown)}; a policy has {', '.join(POLICY_KEYS)}")
+    phases = {phase: cfg.pop(phase, None) for phase in PHASES}
+    if any(phases.values()):
+        return _per_phase(cfg, phases)
     name = cfg["name"]
     quantize = build_quantizer(cfg.get("quantize"))
     positions = cfg.get("positions") or "absolute"
@@ -162,4 +184,44 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         quantize=quantize,
         positions=positions,
         sliding_layers=sliding,
+        interval=cfg.get("interval", 1),
+    )
+
+
+def _per_phase(cfg: dict[str, Any], phases: dict[str, Any]) -> Policy:
+    """The run's policy ``cfg`` with a score and scope per phase (``kvbench.policies.phased``): ``phases`` holds
+    the config of the policy each phase names (None: the run's own); the cache's settings are the run's."""
+    run = build_policy(cfg)
+    built = {}
+    for phase, spec in phases.items():
+        if isinstance(spec, str):
+            raise ValueError(
+                f"{phase}={spec!r} names a policy config: give the config itself (kvbench-run reads "
+                f"configs/policy/{spec}.yaml)"
+            )
+        label = f"policy.{phase}={spec['name']}" if spec else f"policy={cfg['name']} (policy.{phase} is not set)"
+        policy = build_policy({**spec, **{k: cfg[k] for k in CACHE_KEYS if k in cfg}}) if spec else run
+        if not policy.evicts:
+            raise ValueError(f"{label} never evicts; a phase that keeps everything is stage=prefill or stage=decode")
+        if phase in (policy.unsupported_stages or ()):
+            raise ValueError(f"{label} cannot evict in the {phase} phase: {policy.why_unsupported}")
+        ours, theirs = (_options((c or {}).get("allocation") or "uniform") for c in (cfg, spec))
+        if spec and ours != theirs:
+            raise ValueError(
+                f"{label} splits the budget by allocation {theirs}, the run's policy by {ours}: one cache has one "
+                "allocation, so both phases must name the same"
+            )
+        built[phase] = policy
+    prefill, decode = built["prefill"], built["decode"]
+    return Policy(
+        name=cfg["name"],
+        score=PhasedScore(prefill.score, decode.score),
+        scope=PhasedScope(prefill.scope, decode.scope),
+        allocation=prefill.allocation,
+        merge=prefill.merge,
+        quantize=prefill.quantize,
+        positions=prefill.positions,
+        sliding_layers=prefill.sliding_layers,
+        interval=prefill.interval,
+        unsupported_stages=("prefill", "decode"),
     )

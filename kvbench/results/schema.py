@@ -63,6 +63,10 @@ class Measures:
     budget_achieved: float
     budget_achieved_per_layer: list[float]  # the same fraction per layer
     kept_tokens: float  # KV tokens held at the end, mean over layers
+    # KV tokens held at most, mean over layers: the largest count at the end of any step (after its eviction).
+    # The budget the row really held: above budget_tokens by up to policy.interval - 1 (the decode schedule),
+    # by the suffix until the first decode eviction, by the prompt in stage=decode.
+    peak_kept_tokens: float
     seen_tokens: int  # tokens the cache was fed (the sequence's position at the end)
     kv_resident_bytes: int  # bytes of KV cache held at the end
     kv_resident_peak_bytes: int  # bytes of KV cache held at most

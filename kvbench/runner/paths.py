@@ -23,10 +23,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.config.phases import composed
 from kvbench.config.schema import RunSettings
 from kvbench.results.schema import CellIdentity
 from kvbench.results.settings import GROUPS, RUN, owner, value_text
@@ -118,11 +118,7 @@ def cell_path(config: Mapping[str, Any], settings: Mapping[str, Any]) -> str:
 def named_defaults(config_name: str, choices: tuple[str, ...], searchpath: tuple[str, ...] = ()) -> dict[str, Any]:
     """The config Hydra composes from these group choices (``policy=h2o``, ...) and nothing else (no preset, no
     other override), finding config files where the run found them (``hydra.searchpath``)."""
-    quoted = ",".join("'" + path.replace("'", "\\'") + "'" for path in searchpath)
-    overrides = [*choices, *([f"hydra.searchpath=[{quoted}]"] if searchpath else [])]
-    plain = OmegaConf.to_container(compose(config_name, overrides=overrides), resolve=True)
-    assert isinstance(plain, dict)  # a composed config is a mapping
-    return {str(key): value for key, value in plain.items()}
+    return composed(config_name, choices, searchpath)
 
 
 def hydra_settings(config: Mapping[str, Any], hydra: Any) -> dict[str, Any]:

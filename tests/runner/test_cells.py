@@ -40,6 +40,12 @@ def cell_dir(*overrides: str) -> str:
         ),
         (["model=gemma3-270m", "policy=profiled/snapkv"], "gemma3-270m/retrieval/snapkv_profiled/prefill/budget=0.5"),
         (["policy=window", "batch_size=4"], "smollm2-135m/retrieval/window/prefill/budget=0.5/batch=4"),
+        # A decode schedule and a policy per phase are policy settings; the smallest ratios are budgets like any.
+        (
+            ["policy=snapkv", "policy.decode=h2o", "policy.interval=8", "stage=both"],
+            "smollm2-135m/retrieval/snapkv/interval=8,decode=h2o/both/budget=0.5",
+        ),
+        (["policy=h2o", "budget=0.03125"], "smollm2-135m/retrieval/h2o/prefill/budget=0.03125"),
         # Settings given at their defaults, and the keys that say where results go or how they are tracked.
         (
             ["policy=h2o", "policy.quantize=none", "policy.scope.window=0.5", "task.n=10"],
@@ -198,3 +204,18 @@ def test_an_ablation_sweep_runs_every_cell_resumes_and_the_report_tells_them_apa
     report = (tmp_path / "report" / "report.md").read_text()
     assert "Every cell changes these of its named defaults: `task.max_new_tokens=3`." in report
     assert "| h2o (window=0.75, quantize=int8) |" in report
+
+
+def test_a_budget_of_one_in_thirty_two_runs_and_is_reported(tmp_path, sweep_in_process):
+    """32:1 on a 256-token prompt: every policy's cell runs, its rows hold ⌈prompt / 32⌉ tokens, the report shows it."""
+    grid = ["model=tiny-llama", "task.n=1", "task.context_tokens=256", "task.max_new_tokens=3"]
+    code, _, err = sweep_in_process(*grid, "policy=window,streamingllm,h2o", "budget=0.03125", sweep_name="ratios")
+    assert code == 0, err[-3000:]
+    rows = [json.loads(p.read_text()) for p in sorted((tmp_path / "ratios").rglob("rows.jsonl"))]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["status"] == "ok" and row["budget"] == 0.03125 and "budget=0.03125" in row["run_dir"]
+        assert row["budget_tokens"] == -(-row["prompt_tokens"] // 32)
+        assert row["kept_tokens"] == row["budget_tokens"] + row["new_tokens"] - 1
+    build_report([tmp_path / "ratios"], tmp_path / "report", n_boot=20, log=io.StringIO())
+    assert "| 3.125% |" in (tmp_path / "report" / "report.md").read_text()  # the budget column, in percent

@@ -166,6 +166,19 @@ CASES = [
         ["policy=h2o", "+policy.scope.windw=1"],
         "policy=h2o: scope 'sinks_window' has no option windw; its options are n_sink, window",
     ),
+    (
+        ["policy=h2o", "policy.interval=0"],
+        "policy.interval=0 must be a positive integer (decode steps from one eviction to the next; 1: every step)",
+    ),
+    # A policy per phase: stage=both only, and each phase's policy must be able to evict there.
+    (
+        ["policy=snapkv", "policy.decode=h2o"],
+        "policy.decode=h2o names a policy per phase, which needs stage=both (stage=prefill evicts in one phase",
+    ),
+    (
+        ["stage=both", "policy=h2o", "policy.decode=snapkv"],
+        "policy=h2o: policy.decode=snapkv cannot evict in the decode phase: SnapKV scores the prompt",
+    ),
     # Policy.unsupported_stages: SnapKV scores from the prompt's observation window, so it only compresses a prompt.
     (["policy=snapkv", "stage=decode"], "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']"),
     (["policy=chunkkv", "policy.score.chunk=0"], "policy=chunkkv: chunkkv chunk=0 must be at least 1 token"),
@@ -202,6 +215,13 @@ def refuse(cli, overrides: list[str]) -> tuple[int, str]:
     code, err = cli(*base, *overrides)
     MESSAGES[" ".join(overrides)] = (code, one_message(err))
     return MESSAGES[" ".join(overrides)]
+
+
+def test_a_phase_policy_that_is_not_a_config_lists_the_policies(cli):
+    code, err = cli(*TINY, "stage=both", "policy=snapkv", "policy.decode=nope")
+    line = one_message(err)
+    assert code == 2 and "policy.decode=nope: 'nope' is not a policy; choose one of" in line
+    assert all(name in line for name in ("h2o", "window", "snapkv"))
 
 
 def test_a_task_scored_one_text_at_a_time_refuses_a_batch(cli):

@@ -82,7 +82,8 @@ class KVCache(Cache):
                 for i, (plan, rotary) in enumerate(zip(plans, rotaries))
             ]
         )
-        self.evictor = Evictor(plans, [layer.policy for layer in self.kv_layers], lanes, seed, self.inputs)
+        layer_policies = [layer.policy for layer in self.kv_layers]
+        self.evictor = Evictor(plans, layer_policies, lanes, seed, self.inputs, policy.interval)
         self.entries: Entries | None = None
         self.shapes: Shapes | None = None
         self.step: Step | None = None  # the step under way
@@ -235,12 +236,13 @@ class KVCache(Cache):
             resident_per_layer=resident,
         )
 
-    def resident_by_lane(self, lanes: range) -> list[int]:
-        """Resident bytes of each of the lanes."""
+    def held_by_lane(self, lanes: range) -> list[tuple[int, float]]:
+        """What each of the lanes holds: resident bytes, and entries per row (mean over layers and KV heads)."""
         e = self.allocated
         counts = e.lengths[:, e.row_range(lanes.start, lanes.stop)].view(e.layers, len(lanes), e.heads).sum(dim=2)
         row_bytes = torch.tensor([layer.store.row_bytes() for layer in self.kv_layers], device=self.device)
-        return (counts * row_bytes.unsqueeze(1)).sum(dim=0).tolist()
+        resident, entries = torch.stack([(counts * row_bytes.unsqueeze(1)).sum(dim=0), counts.sum(dim=0)]).tolist()
+        return [(b, n / (e.layers * e.heads)) for b, n in zip(resident, entries)]
 
     def kept_positions(self, lane: int = 0) -> list[torch.Tensor]:
         """Per layer, the absolute positions each KV head of the lane holds, [heads, kept]."""

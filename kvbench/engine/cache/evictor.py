@@ -3,7 +3,8 @@ its entries, its stores and the step; the Evictor never sees the cache.
 
 Each (layer, lane) unit over its budget joins the group of units whose eviction depends on the same things
 (``group_key``), and each group is scored once (``evict.evict_group``). Sliding layers then keep their newest
-``window - 1`` entries per row. After a prompt chunk, every layer that dropped entries is packed again.
+``window - 1`` entries per row. After a prompt chunk, every layer that dropped entries is packed again. A decode
+step evicts a lane only every ``policy.interval`` of its decode steps (``Evictor.due``); in between its rows grow.
 """
 
 from __future__ import annotations
@@ -24,16 +25,24 @@ from kvbench.policies.state import TokenState
 
 
 class Evictor:
-    """Evicts each lane's rows to its budgets. It keeps, per lane, each layer's budget (``assign``) and the
-    tokens fed so far (what a score's ``count`` is counted from)."""
+    """Evicts each lane's rows to its budgets. It keeps, per lane, each layer's budget (``assign``), the
+    tokens fed so far (what a score's ``count`` is counted from) and the decode steps since its last evicting
+    one: a decode step evicts a lane's rows only every ``interval``-th of its steps (the decode schedule)."""
 
     def __init__(
-        self, plans: Sequence[LayerPlan], policies: Sequence[Policy], lanes: int, seed: int, inputs: ScoreInputs
+        self,
+        plans: Sequence[LayerPlan],
+        policies: Sequence[Policy],
+        lanes: int,
+        seed: int,
+        inputs: ScoreInputs,
+        interval: int = 1,
     ):
-        self.plans, self.policies, self.seed = list(plans), list(policies), seed
+        self.plans, self.policies, self.seed, self.interval = list(plans), list(policies), seed, interval
         self.inputs = inputs  # the score's declared weights, and the step's queries its layers left there
         self.budgets: list[list[int | None]] = [[None] * lanes for _ in plans]
         self.seen = [0] * lanes
+        self.waited = [0] * lanes  # decode steps since the lane's last evicting one
         self.phase = Phase.prefill  # the last step's
         self._rows: dict[tuple, torch.Tensor] = {}  # index tensors of unit lists, built once
         self._row_keys: torch.Tensor | None = None  # (layer, KV head) of each flat row, built once
@@ -42,11 +51,26 @@ class Evictor:
         """Lane ``lane`` now holds a sequence with these plans (its budgets)."""
         for layer, plan in enumerate(plans):
             self.budgets[layer][lane] = plan.budget
+        self.waited[lane] = 0
 
     def copy_lane(self, source: Evictor, src: int, dst: int) -> None:
         for layer in range(len(self.plans)):
             self.budgets[layer][dst] = source.budgets[layer][src]
         self.seen[dst] = source.seen[src]
+        self.waited[dst] = source.waited[src]
+
+    def due(self, step: Step) -> list[bool]:
+        """Whether each of the step's lanes evicts in it: every prompt chunk of an evicting stage, and every
+        ``interval``-th decode step of the lane (its count restarts when it evicts)."""
+        if not step.evicts or step.phase is not Phase.decode or self.interval == 1:
+            return [step.evicts] * len(step.lanes)
+        out = []
+        for lane in step.lanes:
+            self.waited[lane] += 1
+            out.append(self.waited[lane] >= self.interval)
+            if out[-1]:
+                self.waited[lane] = 0
+        return out
 
     def evict(self, entries: Entries, stores: list[KVStore], step: Step) -> None:
         """Evict every row of the step's lanes over its budget (when the step evicts) and trim sliding layers to
@@ -54,6 +78,7 @@ class Evictor:
         for lane, positions in zip(step.lanes, step.positions):
             self.seen[lane] = positions[-1] + 1
         self.phase = step.phase
+        due = self.due(step)
         e, lo, hi = entries, step.lanes.start, step.lanes.stop
         lengths = e.lengths[:, e.row_range(lo, hi)].tolist()
         groups: dict[tuple, evicting.Group] = {}
@@ -64,7 +89,7 @@ class Evictor:
             for s in step.lanes:
                 counts = lengths[layer][(s - lo) * e.heads : (s - lo + 1) * e.heads]
                 budget = self.budgets[layer][s]
-                if step.evicts and policy.evicts and budget is not None:
+                if due[s - lo] and policy.evicts and budget is not None:
                     size = sum(counts) if per_head else counts[0]
                     if size > (budget * e.heads if per_head else budget) or policy.allocation.thresholded:
                         key = group_key(plan, policy, layer, budget, size)
