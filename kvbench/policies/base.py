@@ -45,6 +45,10 @@ class Score(ABC):
     queries: Queries | None = None
     # Layer weights its ``features`` read (names of ``policies.inputs.WEIGHTS``).
     weights: frozenset[str] = frozenset()
+    # True: the score reads the model's RoPE (``TokenState.rope``): keys before it, vectors rotated to positions.
+    rope: bool = False
+    # True: the score reads every held entry's query, so the prompt must come in one step (``stride`` is refused).
+    whole_prompt: bool = False
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -74,6 +78,8 @@ DECLARATIONS = (
     "row_sums",
     "queries",
     "weights",
+    "rope",
+    "whole_prompt",
 )
 
 
@@ -209,6 +215,16 @@ class Policy:
     def weights(self) -> frozenset[str]:
         """Layer weights the score's features read (none for a cache that never evicts)."""
         return self.score.weights if self.evicts else frozenset()
+
+    @property
+    def rope(self) -> bool:
+        """Whether the score reads the model's RoPE (never for a cache that never evicts)."""
+        return self.score.rope and self.evicts
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Whether the score needs the prompt fed in one step (never for a cache that never evicts)."""
+        return self.score.whole_prompt and self.evicts
 
     @property
     def row_sums(self) -> tuple[RowSum, ...]:

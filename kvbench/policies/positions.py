@@ -94,6 +94,14 @@ class Rotary:
         """The inverse of ``rotate(., positions)``: keys as they were before the model's RoPE."""
         return self._apply(x, -positions, 1.0 / self.scale)
 
+    def averaged(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., D] rotated at each of ``positions`` [..., P] and averaged over them: the mean of the rotations,
+        applied once (RoPE is linear in x)."""
+        if self.rot_dim == 0:
+            return x
+        angle = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(x.device)  # [..., P, rot/2]
+        return self._turn(x, angle.cos().mean(dim=-2) * self.scale, angle.sin().mean(dim=-2) * self.scale)
+
     def _apply(self, x: torch.Tensor, positions: torch.Tensor, factor: float) -> torch.Tensor:
         if self.rot_dim == 0:
             return x
@@ -101,6 +109,10 @@ class Rotary:
         cos, sin = angle.cos(), angle.sin()
         if factor != 1.0:
             cos, sin = cos * factor, sin * factor
+        return self._turn(x, cos, sin)
+
+    def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x's rotated dims turned by each pair's (cos, sin) [..., rot/2], in the model's pair layout."""
         xr = x[..., : self.rot_dim].to(torch.float32)
         if self.layout == "half":
             half = self.rot_dim // 2
@@ -113,6 +125,54 @@ class Rotary:
         if self.rot_dim == x.shape[-1]:
             return out
         return torch.cat((out, x[..., self.rot_dim :]), dim=-1)
+
+
+class RowRope:
+    """Each row's RoPE, for a view whose rows come from several layers (``runs``: one ``Rotary`` per run of rows
+    ``start:end`` of one layer). ``stored_rotated``: the view's keys carry their rotation (``positions:
+    absolute``); a reindexing cache stores them un-rotated."""
+
+    def __init__(self, runs: list[tuple[Rotary, int, int]], stored_rotated: bool):
+        self.runs, self.stored_rotated = runs, stored_rotated
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [rows, ..., n, D] as each row's layer rotates it at ``positions`` [rows, ..., n] (broadcast)."""
+        return self._per_run(x, positions, Rotary.rotate)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``rotate``."""
+        return self._per_run(x, positions, Rotary.unrotate)
+
+    def averaged(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [rows, ..., D] rotated at each of ``positions`` [rows, ..., P] (broadcast), averaged over them."""
+        return self._per_run(x, positions, Rotary.averaged)
+
+    def before_rope(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys [rows, n, D] of a view, as the model's projection gave them (before its RoPE)."""
+        return self.unrotate(keys, positions) if self.stored_rotated else keys
+
+    def after_rope(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys [rows, n, D] of a view, rotated at their absolute positions."""
+        return keys if self.stored_rotated else self.rotate(keys, positions)
+
+    def _per_run(self, x: torch.Tensor, positions: torch.Tensor, apply: Any) -> torch.Tensor:
+        parts = [apply(rotary, x[start:end], positions[start:end]) for rotary, start, end in self.runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def rope_free(config: Any) -> bool:
+    """Whether the model encodes positions without RoPE (learned embeddings, ALiBi): its keys are as projected."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(config, "model_type", None)
+    return model_type in NO_ROPE or (model_type == "falcon" and bool(getattr(config, "alibi", False)))
+
+
+def score_rotaries(model: Any) -> list[Rotary]:
+    """Per decoder layer, the RoPE a score reads (``Score.rope``, pre-RoPE queries): the model's own, or the
+    identity for a model without RoPE."""
+    if rope_free(model.config):
+        return [Rotary.identity()] * model.config.get_text_config().num_hidden_layers
+    return layer_rotaries(model)
 
 
 def _rope_parameters(config: Any) -> list[dict]:
@@ -130,7 +190,7 @@ def reindex_refusal(config: Any, name: str | None = None) -> str | None:
     model_type = getattr(config, "model_type", None)
     name = name or str(model_type)
     lead = "positions=reindex re-rotates kept keys with RoPE"
-    if model_type in NO_ROPE or (model_type == "falcon" and getattr(config, "alibi", False)):
+    if rope_free(config):
         how = NO_ROPE.get(model_type, "ALiBi attention biases")
         return (
             f"{lead}; {model_type} encodes positions with {how}, so {name} has no rotary position embedding; {ABSOLUTE}"
