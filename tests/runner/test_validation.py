@@ -167,6 +167,9 @@ CASES = [
     ),
     # Policy.unsupported_stages: SnapKV scores from the prompt's observation window, so it only compresses a prompt.
     (["policy=snapkv", "stage=decode"], "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']"),
+    # Score.whole_prompt: non-causal chunked attention reads every prompt query, so the prompt comes in one step.
+    (["policy=noncausal_attn", "stride=64"], "policy=noncausal_attn scores the prompt from every prompt query"),
+    (["policy=cap", "stage=both"], "policy=cap cannot run in stage=both; use stage in ['prefill']"),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 
