@@ -11,9 +11,7 @@ import torch
 BLOCK_ELEMENTS = 1 << 24
 
 
-def by_row_blocks(
-    fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...], per_row: int
-) -> torch.Tensor:
+def by_row_blocks(fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...], per_row: int) -> torch.Tensor:
     """``fn(*tensors)`` computed on blocks of rows (the first dim of every tensor) and concatenated; ``per_row``:
     the elements ``fn``'s largest intermediate holds per row."""
     rows = tensors[0].shape[0]

@@ -191,7 +191,7 @@ def reindex_refusal(config: Any, name: str | None = None) -> str | None:
     name = name or str(model_type)
     lead = "positions=reindex re-rotates kept keys with RoPE"
     if rope_free(config):
-        how = NO_ROPE.get(model_type, "ALiBi attention biases")
+        how = NO_ROPE.get(str(model_type), "ALiBi attention biases")
         return (
             f"{lead}; {model_type} encodes positions with {how}, so {name} has no rotary position embedding; {ABSOLUTE}"
         )

@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 
 from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.base import Policy
+from kvbench.policies.positions import Rotary, RowRope
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
-from kvbench.policies.positions import Rotary, RowRope
 from kvbench.policies.scores.compactor import Compactor
 from kvbench.policies.scores.leverage import gaussian_sketch
 from kvbench.policies.state import TokenState

@@ -42,7 +42,9 @@ def test_noncausal_attention_on_a_hand_view_equals_numpy(n, chunk, units) -> Non
     view = hand_view(4, n, units, seed=n)
     got = NonCausalAttention(chunk_size=chunk)(view)
     raw = [
-        np_noncausal(view.queries[r].double().numpy(), view.keys[r].double().numpy(), view.values[r].double().numpy(), chunk)
+        np_noncausal(
+            view.queries[r].double().numpy(), view.keys[r].double().numpy(), view.values[r].double().numpy(), chunk
+        )
         for r in range(4)
     ]
     per_unit = 4 // units

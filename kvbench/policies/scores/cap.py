@@ -68,4 +68,3 @@ class CAP(Score):
         solved = torch.linalg.solve(capacity, columns.expand(-1, capacity.shape[1], -1, -1))
         leverage = (columns * solved).sum(dim=2)  # vᵢᵀA⁻¹vᵢ, [r, group, m]
         return (weights * leverage).mean(dim=1)
-
