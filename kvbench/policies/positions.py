@@ -156,7 +156,12 @@ class RowRope:
         return keys if self.stored_rotated else self.rotate(keys, positions)
 
     def _per_run(self, x: torch.Tensor, positions: torch.Tensor, apply: Any) -> torch.Tensor:
-        parts = [apply(rotary, x[start:end], positions[start:end]) for rotary, start, end in self.runs]
+        if positions.shape[0] > 1 and bool((positions == positions[:1]).all()):
+            positions = positions[:1]  # every row at the same positions (a prompt): one table of angles
+        parts = [
+            apply(rotary, x[start:end], positions[start:end] if len(positions) > 1 else positions)
+            for rotary, start, end in self.runs
+        ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -64,7 +64,6 @@ class CAP(Score):
         scaled = values.unsqueeze(1) * torch.sqrt(weights + self.epsilon).unsqueeze(-1)  # [r, group, m, D]
         eye = torch.eye(values.shape[-1], device=values.device, dtype=values.dtype)
         capacity = eye + scaled.transpose(-1, -2) @ scaled  # [r, group, D, D]
-        columns = values.transpose(1, 2).unsqueeze(1)  # [r, 1, D, m]
-        solved = torch.linalg.solve(capacity, columns.expand(-1, capacity.shape[1], -1, -1))
-        leverage = (columns * solved).sum(dim=2)  # vᵢᵀA⁻¹vᵢ, [r, group, m]
+        inverse = torch.cholesky_inverse(torch.linalg.cholesky(capacity))  # A is I + a Gram matrix: positive definite
+        leverage = ((values.unsqueeze(1) @ inverse) * values.unsqueeze(1)).sum(dim=-1)  # vᵢᵀA⁻¹vᵢ, [r, group, m]
         return (weights * leverage).mean(dim=1)

@@ -69,8 +69,7 @@ def sketched_leverage(keys: torch.Tensor, valid: torch.Tensor | None, sketch: to
     ridge = RIDGE
     for _ in range(RIDGE_TRIES):
         factor, info = torch.linalg.cholesky_ex(gram + ridge * eye)
-        if bool((info == 0).all()):
-            solved = torch.cholesky_solve(x.transpose(1, 2), factor)  # (XᵀX + λI)⁻¹ Xᵀ, [rows, k, n]
-            return (x * solved.transpose(1, 2)).sum(dim=-1).clamp_min(0)
+        if bool((info == 0).all()):  # xᵀ(LLᵀ)⁻¹x = ‖L⁻¹x‖²: one triangular solve, no inverse formed
+            return torch.linalg.solve_triangular(factor, x.transpose(1, 2), upper=False).pow(2).sum(dim=1)
         ridge *= 10
     raise RuntimeError(f"leverage: no Cholesky factor of XᵀX + λI up to λ = {ridge / 10:g}")

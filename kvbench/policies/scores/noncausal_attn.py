@@ -60,10 +60,12 @@ def chunked_attention(queries: torch.Tensor, keys: torch.Tensor, chunk: int) -> 
     """The attention each key received from its chunk's queries, summed, GQA group mean: [r, n]."""
     r, group, n, dim = queries.shape
     fill = -n % chunk
-    q = F.pad(queries.to(torch.float32), (0, 0, 0, fill)).view(r, group, -1, chunk, dim)
-    k = F.pad(keys.to(torch.float32), (0, 0, 0, fill)).view(r, 1, -1, chunk, dim)
-    probs = torch.softmax(q @ k.transpose(-1, -2), dim=-1)  # [r, group, chunks, chunk (queries), chunk (keys)]
-    return probs.sum(dim=-2).mean(dim=1).reshape(r, -1)[:, :n]
+    chunks = (n + fill) // chunk
+    q = F.pad(queries.to(torch.float32), (0, 0, 0, fill)).view(r, group, chunks, chunk, dim)
+    k = F.pad(keys.to(torch.float32), (0, 0, 0, fill)).view(r * chunks, chunk, dim)
+    q = q.transpose(1, 2).reshape(r * chunks, group * chunk, dim)  # a chunk's queries of every head together
+    probs = torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1)  # [r × chunks, group × chunk, chunk]
+    return probs.view(r, chunks, group * chunk, chunk).sum(dim=2).reshape(r, -1)[:, :n] / group
 
 
 def prompt_queries(view: TokenState) -> torch.Tensor:
