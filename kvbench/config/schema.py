@@ -84,7 +84,8 @@ def quantize_problem(name: str) -> str | None:
 
 def merge_problem(spec: Any) -> str | None:
     """false, true, or a merge kind of kvbench.policies.registry (its options are checked with the policy)."""
-    from kvbench.policies.registry import MERGE_CHOICES, MERGES, merge_kind  # not at import: it pulls in torch
+    from kvbench.policies.merge import MERGES
+    from kvbench.policies.registry import MERGE_CHOICES, merge_kind  # not at import: it pulls in torch
 
     kind = merge_kind(spec)[0]
     return None if kind is None or (isinstance(kind, str) and kind in MERGES) else f"must be {MERGE_CHOICES}"

@@ -42,6 +42,11 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     if run.stage in unsupported:
         allowed = [s.value for s in Stage if s not in unsupported]
         raise ConfigError(f"policy={policy.name} cannot run in stage={run.stage}; use stage in {allowed}")
+    if run.stride is not None and policy.whole_prompt:
+        raise ConfigError(
+            f"policy={policy.name} scores the prompt from every prompt query, so it needs the prompt in one step; "
+            f"use stride=null (not stride={run.stride})"
+        )
     model = plain(run.model)
     check_model(model)
     task = check_task(task_data)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvbench.policies.base import Policy
-from kvbench.policies.positions import QUERIES_BEFORE_ROPE, Rotary, layer_rotaries
+from kvbench.policies.positions import Rotary, score_rotaries
 
 # Where each declared weight lives in a transformers attention module: the first of these its family has.
 ATTRIBUTES = {"output_projection": ("o_proj", "dense", "out_proj", "c_proj")}
@@ -79,14 +79,15 @@ def layer_weights(model: Any, names: frozenset[str], layers: int) -> list[dict[s
 
 class ScoreInputs:
     """Per layer, the weights the policy's score declared and this step's queries ([rows of the step, group, k,
-    D], set by the attention where the score declared them), with the rotaries that undo RoPE on them."""
+    D], set by the attention where the score declared them), with the rotaries that undo RoPE on them (and that a
+    score reading RoPE, ``Score.rope``, rotates with)."""
 
     def __init__(self, model: Any, policy: Policy, layers: int):
         self.weights = layer_weights(model, policy.weights, layers)
         wants = policy.queries
         self.rotaries: list[Rotary] | None = None
-        if wants is not None and not wants.rope:
+        if policy.rope or (wants is not None and not wants.rope):
             if model is None:
-                raise ValueError("a score reading queries before RoPE needs the model (its rotary embedding)")
-            self.rotaries = layer_rotaries(model, QUERIES_BEFORE_ROPE)
+                raise ValueError("a score reading queries before RoPE, or RoPE itself, needs the model")
+            self.rotaries = score_rotaries(model)
         self.queries: list[torch.Tensor | None] = [None] * layers

@@ -50,6 +50,10 @@ class Score(ABC):
     # One kept set per layer (``shared: true``, here or in a base score): the heads of a layer must hold the same
     # entries, so per-head allocation is refused.
     shares_heads: bool = False
+    # True: the score reads the model's RoPE (``TokenState.rope``): keys before it, vectors rotated to positions.
+    rope: bool = False
+    # True: the score reads every held entry's query, so the prompt must come in one step (``stride`` is refused).
+    whole_prompt: bool = False
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -80,6 +84,8 @@ DECLARATIONS = (
     "queries",
     "weights",
     "shares_heads",
+    "rope",
+    "whole_prompt",
 )
 
 
@@ -231,6 +237,16 @@ class Policy:
     def weights(self) -> frozenset[str]:
         """Layer weights the score's features read (none for a cache that never evicts)."""
         return self.score.weights if self.evicts else frozenset()
+
+    @property
+    def rope(self) -> bool:
+        """Whether the score reads the model's RoPE (never for a cache that never evicts)."""
+        return self.score.rope and self.evicts
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Whether the score needs the prompt fed in one step (never for a cache that never evicts)."""
+        return self.score.whole_prompt and self.evicts
 
     @property
     def row_sums(self) -> tuple[RowSum, ...]:

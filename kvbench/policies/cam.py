@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.policies.merge import Merge, Merged
+from kvbench.policies.merge import MERGES, Merge, Merged
 from kvbench.policies.scores.uniform_random import uniform_hash
 from kvbench.policies.state import TokenState
 
 STREAM = 1 << 20  # CaM's draws use the run's seed shifted by this, apart from the random score's
 
 
+@MERGES.register("cam")
 class CamMerge(Merge):
     """CaM's cache merging. Each evicted entry e of a row is merged, with probability
 

@@ -16,6 +16,10 @@ WEIGHTS = {
 }
 
 
+# ``Queries(last=EVERY)``: every query of the evicting step (a prompt fed in one step: one per entry it wrote).
+EVERY = 1 << 30
+
+
 @dataclass(frozen=True)
 class Queries:
     """The evicting step's last ``last`` queries (fewer if the step has fewer), as ``TokenState.queries``

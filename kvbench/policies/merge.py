@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.policies.state import TokenState
+from kvbench.registry import Registry
 
 BLOCK_ELEMENTS = 1 << 22
 
@@ -48,6 +49,10 @@ class Merge(ABC):
         """``keep`` [H, n]: what the eviction keeps of ``state``'s entries."""
 
 
+MERGES: Registry[type[Merge]] = Registry("merge", ("kvbench.policies.merge", "kvbench.policies.cam"), Merge)
+
+
+@MERGES.register("cosine")
 class CosineMerge(Merge):
     """Each evicted entry folded into its most similar kept key, weighted by attention (this module's rule)."""
 

@@ -128,6 +128,59 @@ class Rotary:
         return torch.cat((out, x[..., self.rot_dim :]), dim=-1)
 
 
+class RowRope:
+    """Each row's RoPE, for a view whose rows come from several layers (``runs``: one ``Rotary`` per run of rows
+    ``start:end`` of one layer). ``stored_rotated``: the view's keys carry their rotation (``positions:
+    absolute``); a reindexing cache stores them un-rotated."""
+
+    def __init__(self, runs: list[tuple[Rotary, int, int]], stored_rotated: bool):
+        self.runs, self.stored_rotated = runs, stored_rotated
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [rows, ..., n, D] as each row's layer rotates it at ``positions`` [rows, ..., n] (broadcast)."""
+        return self._per_run(x, positions, Rotary.rotate)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``rotate``."""
+        return self._per_run(x, positions, Rotary.unrotate)
+
+    def averaged(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [rows, ..., D] rotated at each of ``positions`` [rows, ..., P] (broadcast), averaged over them."""
+        return self._per_run(x, positions, Rotary.averaged)
+
+    def before_rope(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys [rows, n, D] of a view, as the model's projection gave them (before its RoPE)."""
+        return self.unrotate(keys, positions) if self.stored_rotated else keys
+
+    def after_rope(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys [rows, n, D] of a view, rotated at their absolute positions."""
+        return keys if self.stored_rotated else self.rotate(keys, positions)
+
+    def _per_run(self, x: torch.Tensor, positions: torch.Tensor, apply: Any) -> torch.Tensor:
+        if positions.shape[0] > 1 and bool((positions == positions[:1]).all()):
+            positions = positions[:1]  # every row at the same positions (a prompt): one table of angles
+        parts = [
+            apply(rotary, x[start:end], positions[start:end] if len(positions) > 1 else positions)
+            for rotary, start, end in self.runs
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def rope_free(config: Any) -> bool:
+    """Whether the model encodes positions without RoPE (learned embeddings, ALiBi): its keys are as projected."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(config, "model_type", None)
+    return model_type in NO_ROPE or (model_type == "falcon" and bool(getattr(config, "alibi", False)))
+
+
+def score_rotaries(model: Any) -> list[Rotary]:
+    """Per decoder layer, the RoPE a score reads (``Score.rope``, pre-RoPE queries): the model's own, or the
+    identity for a model without RoPE."""
+    if rope_free(model.config):
+        return [Rotary.identity()] * model.config.get_text_config().num_hidden_layers
+    return layer_rotaries(model)
+
+
 def _rope_parameters(config: Any) -> list[dict]:
     """The config's RoPE parameter dicts: one, or one per layer type (Gemma 3)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -156,8 +209,8 @@ def rope_refusal(config: Any, name: str | None, lead: str, remedy: str) -> str |
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = getattr(config, "model_type", None)
     name = name or str(model_type)
-    if model_type in NO_ROPE or (model_type == "falcon" and getattr(config, "alibi", False)):
-        how = NO_ROPE.get(model_type, "ALiBi attention biases")
+    if rope_free(config):
+        how = NO_ROPE.get(str(model_type), "ALiBi attention biases")
         return (
             f"{lead}; {model_type} encodes positions with {how}, so {name} has no rotary position embedding; {remedy}"
         )

@@ -25,9 +25,8 @@ import typing
 from typing import Any, TypeVar
 
 from kvbench.policies.base import Policy, Score
-from kvbench.policies.cam import CamMerge
 from kvbench.policies.full import never_evicting
-from kvbench.policies.merge import CosineMerge, Merge
+from kvbench.policies.merge import MERGES, Merge
 from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
 from kvbench.policies.phased import PhasedScope, PhasedScore
 from kvbench.policies.quantize import build_quantizer
@@ -112,7 +111,6 @@ def build_score(spec: Any) -> Score:
     return SharedAcrossHeads(score) if shared else score
 
 
-MERGES: dict[str, type[Merge]] = {"cosine": CosineMerge, "cam": CamMerge}
 MERGE_CHOICES = "true or false, or a merge kind: cosine (true), cam, {kind: cam, merge_budget: ...}"
 
 
@@ -134,7 +132,7 @@ def build_merge(spec: Any) -> Merge | None:
         return None
     if not isinstance(kind, str) or kind not in MERGES:
         raise ValueError(f"merge={spec!r} must be {MERGE_CHOICES}")
-    return MERGES[kind](**options)
+    return MERGES.get(kind)(**options)
 
 
 def build_policy(cfg: dict[str, Any]) -> Policy:

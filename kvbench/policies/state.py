@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvbench.policies.positions import RowRope
 from kvbench.stages import Phase
 
 
@@ -51,7 +52,8 @@ class TokenState:
     layer and head, the same for a sequence in any batch) seed random scores. The rows come in ``units`` equal
     blocks, one per (layer, sequence): a part that mixes rows (a split across heads, a kept set shared by heads)
     mixes those of one unit only (``per_unit``). ``derived`` presets quantities of ``derived()`` that the cache
-    computes more cheaply itself, ``lengths`` the count per row.
+    computes more cheaply itself, ``lengths`` the count per row. ``rope`` (where the score declared ``rope``):
+    each row's RoPE, to rotate vectors to positions and read ``keys_before_rope``.
 
     While the policy evicts, ``budget`` is the eviction's per-row budget (the average under per-head allocation),
     and ``ranked`` and ``kept_by`` apply its scope and allocation to any scores (None and errors outside).
@@ -75,6 +77,8 @@ class TokenState:
         row_keys: torch.Tensor | None = None,
         row_sums: dict[str, torch.Tensor] | None = None,
         queries: torch.Tensor | None = None,
+        rope: RowRope | None = None,
+        budget: int | None = None,
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
@@ -96,8 +100,8 @@ class TokenState:
         )
         self.row_sums = row_sums or {}
         self.queries = queries
+        self.rope, self.budget = rope, budget
         self._zeroed = False
-        self.budget: int | None = None
         self._rank: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._keep: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -157,6 +161,21 @@ class TokenState:
     def values(self) -> torch.Tensor:
         """[H, n, Dv] in sequence order, zero on padding."""
         return self._loaded()[1]
+
+    @property
+    def keys_before_rope(self) -> torch.Tensor:
+        """[H, n, D]: the keys as the model's projection gave them, before its RoPE (zero on padding)."""
+        if self.rope is None:
+            raise ValueError("keys before RoPE need a score that declares rope = True")
+        return self.masked(self.rope.before_rope(self.keys, self.positions))
+
+    @property
+    def keys_after_rope(self) -> torch.Tensor:
+        """[H, n, D]: the keys rotated at their absolute positions, as a prompt's attention saw them, whatever the
+        positions mode (a reindexing cache stores them un-rotated; zero on padding)."""
+        if self.rope is None:
+            raise ValueError("keys after RoPE need a score that declares rope = True")
+        return self.masked(self.rope.after_rope(self.keys, self.positions))
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [H, n, ...] with its padding set to zero (``x`` itself when there is none)."""

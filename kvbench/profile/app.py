@@ -31,7 +31,7 @@ from kvbench.policies.full import never_evicting
 from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy
 from kvbench.profile.collect import record
-from kvbench.profile.consistency import bare_scores, layer_budgets, profiled_kinds
+from kvbench.profile.consistency import bare_scores, layer_budgets, measurable_scores, unmeasurable
 from kvbench.profile.summary import Profile, candidate_kinds, layer_result, write_profile
 from kvbench.tasks.registry import build_task
 
@@ -53,17 +53,18 @@ def check(
         raise ConfigError(f"budgets: {err}") from err
     if not budgets:
         raise ConfigError("budgets must list at least one budget, e.g. budgets=[0.1,0.25,0.5]")
-    kinds = profiled_kinds() if cfg.get("scores") == "all" else list(cfg.get("scores") or [])
+    kinds = measurable_scores() if cfg.get("scores") == "all" else list(cfg.get("scores") or [])
     unknown = sorted(set(kinds) - set(SCORES.names()))
     if unknown:
         raise ConfigError(f"scores: unknown {unknown}; give all or a list of {SCORES.choices()}")
+    scores = bare_scores(kinds)
+    for kind, policy in scores.items():
+        why = unmeasurable(policy)
+        if why:
+            raise ConfigError(f"scores: {kind} cannot be profiled: {why}")
     max_new = cfg.get("max_new_tokens")
     if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
         raise ConfigError(f"max_new_tokens={max_new!r} must be a positive integer or null (the task's own)")
-    unmeasured = sorted(set(kinds) - set(profiled_kinds()))
-    if unmeasured:
-        raise ConfigError(f"scores: {unmeasured} read the step's queries, which profiling does not record; drop them")
-    scores = bare_scores(kinds)
     policies = {}
     model_config = load_config(
         **{k: v for k, v in model.items() if k in ("source", "name_or_path", "cache_dir", "embedded")}

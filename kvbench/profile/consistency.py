@@ -27,20 +27,25 @@ ORACLE = "oracle"
 
 
 def bare_scores(kinds: Sequence[str] | None = None) -> dict[str, Policy]:
-    """One policy per score kind (by default every registered score profiling can run: ``profiled_kinds``),
-    alone: nothing protected and every layer at the budget, so what is measured is the consistency of the score
-    itself."""
-    kinds = profiled_kinds() if kinds is None else kinds
-    return {kind: bare(kind) for kind in kinds}
+    """One policy per score kind (every registered score it can measure by default), alone: nothing protected and
+    every layer at the budget, so what is measured is the consistency of the score itself."""
+    kinds = measurable_scores() if kinds is None else kinds
+    return {kind: build_policy({"name": kind, "score": kind, "scope": "all"}) for kind in kinds}
 
 
-def bare(kind: str) -> Policy:
-    return build_policy({"name": kind, "score": kind, "scope": "all"})
+def unmeasurable(policy: Policy) -> str | None:
+    """Why the profile cannot build the state this policy's score reads (None: it can). The profile records the
+    prompt's keys, values and statistics, not the evicting step's queries nor the model's RoPE."""
+    if policy.queries is not None:
+        return "it reads the evicting step's queries, which profiling does not record"
+    if policy.rope:
+        return "it reads the model's RoPE, which profiling does not record"
+    return None
 
 
-def profiled_kinds() -> list[str]:
-    """The registered scores profiling can run: those that read no step's queries (profiling records none)."""
-    return [kind for kind in SCORES.names() if bare(kind).queries is None]
+def measurable_scores() -> list[str]:
+    """The registered scores the profile can measure (``scores: all``)."""
+    return [k for k in SCORES.names() if unmeasurable(build_policy({"name": k, "score": k, "scope": "all"})) is None]
 
 
 @dataclass
@@ -80,8 +85,9 @@ def prompt_state(end: PromptEnd, policy: Policy, layer: int, seed: int = 0) -> T
     if history:
         rows, nvis = end.stats["qlog"][:, -history:], end.stats["qlog_nvis"][:, -history:]
         stats["qlog"] = policy.score.log_rows(rows, nvis)
-    if policy.queries is not None:
-        raise ValueError(f"policy {policy.name!r} reads the step's queries, which profiling does not record")
+    why = unmeasurable(policy)
+    if why:
+        raise ValueError(f"policy {policy.name!r} cannot be profiled: {why}")
     weights = {name: w for name, w in end.weights.items() if name in policy.weights}
     for at, part in per_head(weights, torch.arange(heads, device=end.keys.device), heads):
         for name, value in policy.features(end.keys[at], end.values[at], part).items():

@@ -40,7 +40,12 @@ def named(name: str, **extra):
 CASES = [(n, s) for n in NAMED for s in STAGES if s not in named(n).unsupported_stages]
 
 
-def run(tiny, ids, policy, budget, stage, **kw):
+def stride_of(policy) -> int:
+    """The prompt in chunks, or in one for a score that reads every prompt query (``Score.whole_prompt``)."""
+    return PROMPT if policy.whole_prompt else STRIDE
+
+
+def run(tiny, ids, policy, budget, stage, stride=None, **kw):
     return generate(
         tiny.model,
         None,
@@ -49,7 +54,7 @@ def run(tiny, ids, policy, budget, stage, **kw):
         budget,
         stage,
         DecodeSettings(max_new_tokens=NEW),
-        stride=STRIDE,
+        stride=stride or stride_of(policy),
         return_logits=True,
         **kw,
     )
@@ -120,14 +125,16 @@ def test_named_policy_equals_masked_replay_and_keeps_its_promises(tiny, random_i
     policy = named(name)
     ids = random_ids(PROMPT, seed=11)
     g = run(tiny, ids, policy, 0.3, stage, trace=True)
-    r = run(tiny, ids, build_policy({"name": "full"}), 1.0, stage, forced_tokens=g.tokens, replay_trace=g.trace)
+    full = build_policy({"name": "full"})
+    r = run(tiny, ids, full, 1.0, stage, stride_of(policy), forced_tokens=g.tokens, replay_trace=g.trace)
     if policy.evicts and not policy.merge:  # merging changes kept values: tests/policies/test_cam.py checks them
         torch.testing.assert_close(g.logits, r.logits, rtol=1e-4, atol=1e-4)
     limit = PROMPT if stage == "prefill" else PROMPT + NEW
     budgets = policy.layer_budgets(g.measures.budget_tokens, 4, limit) if policy.evicts else [None] * 4
-    prefill_steps = PROMPT // STRIDE
+    stride = stride_of(policy)
+    prefill_steps = PROMPT // stride
     for step, layers in enumerate(g.trace):
-        fed = STRIDE * (step + 1) if step < prefill_steps else PROMPT + step - prefill_steps + 1
+        fed = stride * (step + 1) if step < prefill_steps else PROMPT + step - prefill_steps + 1
         evicting = (step < prefill_steps and stage != "decode") or (step >= prefill_steps and stage != "prefill")
         for held, b in zip(layers, budgets):
             heads = [set(h.tolist()) for h in held]

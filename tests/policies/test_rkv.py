@@ -141,7 +141,7 @@ class Checked(RKV):
 @pytest.mark.parametrize("stage", ["decode", "both"])
 def test_rkv_through_the_engine_equals_numpy_at_every_eviction(tiny, random_ids, stage) -> None:
     score = Checked()
-    policy = build_policy(tiny_policy_cfg("rkv"))
+    policy = build_policy(tiny_policy_cfg("rkv", interval=1))  # every step evicts, so every eviction is checked
     policy.score = score
     g = generate(
         tiny.model, None, random_ids(30, seed=3), policy, 12, stage, DecodeSettings(max_new_tokens=6), stride=8
@@ -150,7 +150,7 @@ def test_rkv_through_the_engine_equals_numpy_at_every_eviction(tiny, random_ids,
 
 
 def test_rkv_is_refused_for_the_prompt_alone() -> None:
-    policy = build_policy(tiny_policy_cfg("rkv"))
+    policy = build_policy(tiny_policy_cfg("rkv", interval=1))  # every step evicts, so every eviction is checked
     assert policy.unsupported_stages == ("prefill",)
     for bad in ({"window": 0}, {"kernel_size": 4}, {"mix_lambda": 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):

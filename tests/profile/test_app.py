@@ -12,8 +12,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kvbench.config import ConfigError
+from kvbench.policies.parts import SCORES
 from kvbench.profile import app
-from kvbench.profile.consistency import profiled_kinds
+from kvbench.profile.consistency import bare_scores, measurable_scores
 from kvbench.profile.summary import write_profile
 from kvbench.report.profile import build_profile_report, recall_figure
 
@@ -33,7 +34,7 @@ TINY = ("model=tiny-llama", "task=retrieval", "task.n=1", "task.context_tokens=1
         ("budgets=[1.5]", "budget=1.5 is out of range"),
         ("budgets=[]", "budgets must list"),
         ("scores=[accumulated,bogus]", "unknown ['bogus']"),
-        ("scores=[expected_attention]", "['expected_attention'] read the step's queries"),
+        ("scores=[accumulated,noncausal_attn]", "noncausal_attn cannot be profiled: it reads the evicting step's"),
         ("max_new_tokens=0", "max_new_tokens=0"),
         ("policies.h2o.scope.kind=nowhere", "policies.h2o: unknown scope"),
     ],
@@ -51,8 +52,12 @@ def test_tiny_profile_and_report(tmp_path, one_thread):
     for name, values in data["recall_mean"].items():
         assert all(v <= o + 1e-6 for v, o in zip(values, oracle)), name
         assert values[-1] == pytest.approx(1.0), name  # the whole prompt kept
-    assert {k for k, v in data["kinds"].items() if v == "score"} == {f"score/{s}" for s in profiled_kinds()}
-    assert "expected_attention" not in profiled_kinds()  # it reads the step's queries, which profiling lacks
+    assert {k for k, v in data["kinds"].items() if v == "score"} == {f"score/{s}" for s in measurable_scores()}
+    # Every registered score but those reading what a profile does not record (the step's queries, RoPE).
+    assert set(SCORES.names()) - set(measurable_scores()) == {
+        s for s, policy in bare_scores(SCORES.names()).items() if policy.queries is not None or policy.rope
+    }
+    assert {"snapkv", "accumulated", "key_norm"} <= set(measurable_scores())
     write_profile(data, tmp_path)
     paths = build_profile_report(tmp_path)
     assert all(p.exists() for p in paths)

@@ -198,6 +198,9 @@ CASES = [
         ["policy=h2o", "policy.allocation=threshold"],
         "policy=h2o: allocation 'threshold' needs option threshold (allocation.threshold=...)",
     ),
+    # Score.whole_prompt: non-causal chunked attention reads every prompt query, so the prompt comes in one step.
+    (["policy=noncausal_attn", "stride=64"], "policy=noncausal_attn scores the prompt from every prompt query"),
+    (["policy=cap", "stage=both"], "policy=cap cannot run in stage=both; use stage in ['prefill']"),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 

@@ -198,6 +198,7 @@ class KVCache(Cache):
     def finish(self, step: Step) -> None:
         """Evict every row over its budget and trim sliding layers to their window (``Evictor``)."""
         self.evictor.evict(self.allocated, self.stores(), step)
+        self.inputs.queries[:] = [None] * len(self.inputs.queries)  # read by this step's eviction only
         self.step, self.model_positions, self.feeding = None, None, None
         for layer in self.kv_layers:
             layer.finish()

@@ -19,6 +19,7 @@ from kvbench.engine.cache.entries import Entries
 from kvbench.engine.cache.store import KVStore, layer_runs
 from kvbench.policies.base import Policy
 from kvbench.policies.merge import Merge
+from kvbench.policies.positions import Rotary, RowRope
 from kvbench.policies.state import Stats, TokenState
 from kvbench.policies.statistics import FromPositions, declared
 
@@ -42,6 +43,8 @@ class StepRows:
     # Per layer, the step's queries a score declared ([rows of the step, group, k, D]), and the step's first row.
     queries: list[torch.Tensor | None] = field(default_factory=list)
     first_row: int = 0
+    # Per layer, its RoPE, where a score reads it (``Score.rope``).
+    rotaries: list[Rotary] | None = None
 
 
 def unit_rows(entries: Entries, units: list[tuple[int, int]]) -> list[int]:
@@ -108,7 +111,17 @@ def group_state(
         seen=seen,
         seed=step.seed,
         row_keys=keys.unsqueeze(1),
+        rope=row_rope(entries, rows, policy, step) if policy.rope else None,
+        budget=group.budget,
     )
+
+
+def row_rope(entries: Entries, rows: torch.Tensor | None, policy: Policy, step: StepRows) -> RowRope:
+    """The group's rows' RoPE, each row its layer's."""
+    assert step.rotaries is not None, "a cache whose score reads RoPE keeps the model's rotaries"
+    flat = torch.arange(entries.layers * entries.rows, device=entries.device) if rows is None else rows
+    runs = [(step.rotaries[layer], start, end) for layer, start, end in layer_runs(flat, entries.rows)]
+    return RowRope(runs, stored_rotated=policy.positions != "reindex")
 
 
 def step_queries(entries: Entries, rows: torch.Tensor | None, step: StepRows) -> torch.Tensor:

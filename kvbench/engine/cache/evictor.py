@@ -176,7 +176,13 @@ class Evictor:
             head = torch.arange(e.layers * e.rows, device=e.device)
             self._row_keys = (head // e.rows) * e.heads + head % e.heads
         return evicting.StepRows(
-            seen.view(-1, 1), self._row_keys, self.phase, self.seed, self.inputs.queries, first_lane * e.heads
+            seen.view(-1, 1),
+            self._row_keys,
+            self.phase,
+            self.seed,
+            self.inputs.queries,
+            first_lane * e.heads,
+            self.inputs.rotaries,
         )
 
 
