@@ -4,7 +4,8 @@ table of docs/peers.md. NumPy only: scripts/peer_agreement.py feeds it, tests/te
 A row where the two kept sets differ is explained when it can be:
 
 - ``kept count``: the two kept different numbers of entries (a rounding of the kept count, or a per-layer or
-  per-head allocation that differs);
+  per-head allocation that differs); such a row is *nested* when the smaller set lies inside the larger, as two
+  top-k's of one ranking do;
 - ``tie``: same count, and the other's kept set is an equally good top-k of the peer's own scores: every entry
   only the peer kept scores within ``eps`` (relative to the cut's score) of every entry only kvbench kept;
 - ``unexplained``: anything else. The row's swapped entries and both sides' scores of them are kept for the page.
@@ -31,6 +32,7 @@ class RowDiff:
     peer_only: list[int]
     ours_only: list[int]
     gap: float  # how far apart (relative to the cut) the peer's scores of the swapped entries are; 0 for a tie
+    nested: bool = False  # the smaller kept set lies inside the larger
     peer_scores: dict[int, float] = field(default_factory=dict)
     our_scores: dict[int, float] = field(default_factory=dict)
 
@@ -44,6 +46,7 @@ class Agreement:
     jaccard_sum: float = 0.0
     reasons: Counter[str] = field(default_factory=Counter)
     diffs: list[RowDiff] = field(default_factory=list)
+    nested: int = 0  # kept-count rows whose smaller set lies inside the larger
 
     @property
     def identical_share(self) -> float:
@@ -115,6 +118,8 @@ def compare(
                 agreement.identical += 1
                 continue
             agreement.reasons[reason] += 1
+            nested = reason == "kept count" and (not len(peer_only) or not len(ours_only))
+            agreement.nested += int(nested)
             swapped = np.concatenate([peer_only, ours_only])
             agreement.diffs.append(
                 RowDiff(
@@ -125,8 +130,9 @@ def compare(
                     peer_only.tolist(),
                     ours_only.tolist(),
                     gap,
-                    {int(i): float(peer_scores[layer, head, i]) for i in swapped},
-                    {int(i): float(our_scores[layer, head, i]) for i in swapped},
+                    nested=nested,
+                    peer_scores={int(i): float(peer_scores[layer, head, i]) for i in swapped},
+                    our_scores={int(i): float(our_scores[layer, head, i]) for i in swapped},
                 )
             )
     return agreement
@@ -136,7 +142,13 @@ def differences(agreement: Agreement) -> str:
     """The differing rows in words: each reason with its count."""
     if agreement.rows == agreement.identical:
         return "none"
-    return ", ".join(f"{reason}: {agreement.reasons[reason]}" for reason in REASONS if agreement.reasons[reason])
+    words = []
+    for reason in REASONS:
+        count = agreement.reasons[reason]
+        if count:
+            nested = f" ({agreement.nested} nested)" if reason == "kept count" else ""
+            words.append(f"{reason}: {count}{nested}")
+    return ", ".join(words)
 
 
 def table(rows: list[tuple[str, str, str, Agreement]]) -> str:

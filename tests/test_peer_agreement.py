@@ -51,6 +51,8 @@ def test_a_swap_the_peer_scores_apart_is_unexplained():
 
 def test_different_counts_are_a_kept_count_difference():
     assert one_row([0, 2, 3], [0, 2], [5, 1, 3, 2]) == "kept count"
+    a = compare(Agreement(), 0, mask(4, [0, 1, 3])[None, None], mask(4, [0, 2])[None, None], *np.zeros((2, 1, 1, 4)))
+    assert a.reasons == {"kept count": 1} and a.nested == 0  # neither set inside the other
 
 
 def test_unrecorded_or_protected_scores_are_never_a_tie():
@@ -79,17 +81,19 @@ def test_compare_counts_rows_and_keeps_both_scores_of_the_swapped_entries():
     assert (tie.prompt, tie.layer, tie.head, tie.peer_only, tie.ours_only) == (7, 1, 2, [2], [3])
     assert tie.peer_scores == {2: 4.0, 3: 4.0} and tie.our_scores == {2: 8.0, 3: 8.0}
     assert a.mean_jaccard == pytest.approx((4 + 0.5 + 0.75) / 6)
-    assert differences(a) == "kept count: 1, tie: 1"
-    assert "| `snapkv` | `SnapKVPress()` | `policy=snapkv` | 6 | 66.7 % | 0.8750 | kept count: 1, tie: 1 |" in table(
-        [("snapkv", "SnapKVPress()", "policy=snapkv", a)]
-    )
+    assert a.nested == 1 and next(d for d in a.diffs if d.reason == "kept count").nested
+    assert differences(a) == "kept count: 1 (1 nested), tie: 1"
+    row = "| `snapkv` | `SnapKVPress()` | `policy=snapkv` | 6 | 66.7 % | 0.8750 | kept count: 1 (1 nested), tie: 1 |"
+    assert row in table([("snapkv", "SnapKVPress()", "policy=snapkv", a)])
     with pytest.raises(ValueError, match="cannot be compared"):
         compare(Agreement(), 0, ours[:1], peer, peer_scores, our_scores)
 
 
 def test_the_page_is_rewritten_between_its_markers_only():
     page = f"intro\n{peer_agreement.BEGIN}\nold\n{peer_agreement.END}\noutro\n"
-    assert peer_agreement.with_section(page, "new") == f"intro\n{peer_agreement.BEGIN}\nnew\n{peer_agreement.END}\noutro\n"
+    assert (
+        peer_agreement.with_section(page, "new") == f"intro\n{peer_agreement.BEGIN}\nnew\n{peer_agreement.END}\noutro\n"
+    )
     with pytest.raises(SystemExit, match="markers"):
         peer_agreement.with_section("no markers", "new")
 
