@@ -50,17 +50,18 @@ def build_press(spec: dict[str, Any]) -> Any:
 
 
 def kept_positions(before: torch.Tensor, after: torch.Tensor) -> list[np.ndarray]:
-    """Per KV head, the indices into ``before`` [heads, n, D] of the rows of ``after`` [heads, k, D], each kept
-    key found by a random projection and then checked whole (two positions never share a key under RoPE)."""
-    direction = torch.randn(before.shape[-1], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    """Per KV head, the indices into ``before`` [heads, n, D] of the rows of ``after`` [heads, k, D]: each kept key
+    found by its exact bytes (two positions never share a key under RoPE)."""
     out = []
     for head in range(before.shape[0]):
-        projected = before[head].double() @ direction
-        order = projected.argsort()
-        found = order[torch.searchsorted(projected[order], after[head].double() @ direction).clamp_max(len(order) - 1)]
-        if not torch.equal(before[head, found], after[head]):
-            raise RuntimeError("a kept key matches no key the press was given")
-        out.append(found.numpy())
+        given = before[head].contiguous().numpy()
+        where = {row.tobytes(): i for i, row in enumerate(given)}
+        if len(where) != len(given):
+            raise RuntimeError("two positions share a key: the kept set cannot be read from the keys")
+        try:
+            out.append(np.array([where[row.tobytes()] for row in after[head].contiguous().numpy()], dtype=np.int64))
+        except KeyError:
+            raise RuntimeError("a kept key matches no key the press was given") from None
     return out
 
 
@@ -109,6 +110,7 @@ def set_attention(model: Any, eager: bool) -> None:
 
 def main(request_path: str, out_path: str) -> None:
     torch.manual_seed(0)
+    transformers.utils.logging.disable_progress_bar()
     request = json.loads(open(request_path, encoding="utf-8").read())
     model = load_model()
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
