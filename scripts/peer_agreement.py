@@ -1,0 +1,228 @@
+"""kvbench against NVIDIA's kvpress: the kept sets of each method on the same token ids, per layer and KV head.
+
+    python scripts/peer_agreement.py --peer-python PEER/bin/python --data-dir DIR     # docs/peers.md
+    python scripts/peer_agreement.py --peer-python PEER/bin/python --data-dir DIR --methods snapkv tova --prompts 1
+
+kvpress runs in an environment of its own (its transformers pin cannot share kvbench's; docs/peers.md says how to
+build it): ``--peer-python`` is that environment's Python, which runs scripts/peer_kvpress_side.py. The prompts are
+LongBench contexts (``DIR/<subset>.jsonl``, LongBench's field names) of ``--min-tokens`` to ``--max-tokens``
+tokens under the embedded SmolLM2's tokenizer; both sides prefill the same ids on the same SmolLM2 weights.
+kvbench runs each method's config at stage=prefill with, by default, kvpress's own kept count as a token budget
+(``--budget fraction`` gives 1 - ratio instead, which kvbench rounds up where kvpress rounds down). The table,
+written to ``--out`` and printed, counts the rows whose kept sets are identical and explains the others
+(scripts/peer_compare.py).
+
+A method is one entry of ``METHODS``: the press (and its arguments) and the kvbench config (and its overrides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
+from kvbench.models import LoadedModel, load_model, load_tokenizer
+from kvbench.policies.base import Policy
+from kvbench.policies.registry import build_policy
+from kvbench.tasks.datasets import read_jsonl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_compare import Agreement, compare, table, unexplained_rows  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_SIDE = Path(__file__).resolve().parent / "peer_kvpress_side.py"
+
+
+@dataclass(frozen=True)
+class Method:
+    """kvpress's ``press(**kwargs)`` (wrapping ``inner(**inner_kwargs)`` when given) against kvbench's
+    configs/policy/<policy>.yaml with ``overrides`` (dotted keys, as on the command line)."""
+
+    press: str
+    policy: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    inner: str | None = None
+    inner_kwargs: dict[str, Any] = field(default_factory=dict)
+    eager: bool = False  # the press reads attention weights (kvpress needs attn_implementation="eager")
+
+    def press_spec(self) -> dict[str, Any]:
+        inner = {"press": self.inner, "kwargs": self.inner_kwargs} if self.inner else None
+        return {"press": self.press, "kwargs": self.kwargs, "inner": inner, "eager": self.eager}
+
+    def press_label(self) -> str:
+        inner = f"{self.inner}({args(self.inner_kwargs)})" if self.inner else ""
+        return f"{self.press}({', '.join(a for a in (inner, args(self.kwargs)) if a)})"
+
+    def config_label(self) -> str:
+        return " ".join([f"policy={self.policy}", *(f"policy.{k}={v}" for k, v in self.overrides.items())])
+
+
+def args(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+SNAPKV = {"window_size": 64, "kernel_size": 5}  # kvpress's defaults; kvbench's snapkv.yaml has window 32
+METHODS: dict[str, Method] = {
+    "streamingllm": Method("StreamingLLMPress", "streamingllm", {"n_sink": 4}),
+    "tova": Method("TOVAPress", "tova"),
+    "snapkv": Method("SnapKVPress", "snapkv", SNAPKV, {"score.window": 64, "score.kernel_size": 5}),
+    "knorm": Method("KnormPress", "knorm"),
+    "pyramidkv": Method(
+        "PyramidKVPress", "pyramidkv", {**SNAPKV, "beta": 20}, {"score.window": 64, "allocation.beta": 20}
+    ),
+    "adakv": Method(
+        "AdaKVPress",
+        "adakv",
+        {"alpha_safeguard": 0.2},
+        {"score.window": 64, "allocation.floor": 0.2},
+        inner="SnapKVPress",
+        inner_kwargs=SNAPKV,
+    ),
+    "observed_attention": Method("ObservedAttentionPress", "mean_window", overrides={"scope.window": 0}, eager=True),
+}
+
+
+def policy_config(method: Method) -> dict[str, Any]:
+    cfg = OmegaConf.load(REPO / "configs" / "policy" / f"{method.policy}.yaml")
+    OmegaConf.set_struct(cfg, True)  # an override of a key the config lacks is a typo: refused
+    for key, value in method.overrides.items():
+        OmegaConf.update(cfg, key, value)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(plain, dict), "a policy config is a mapping"
+    return {str(k): v for k, v in plain.items()}
+
+
+def choose_prompts(data_dir: Path, subset: str, count: int, lo: int, hi: int) -> list[list[int]]:
+    """The first ``count`` contexts of ``subset`` whose SmolLM2 tokens number ``lo`` to ``hi``."""
+    tokenizer, _ = load_tokenizer("embedded")
+    chosen = []
+    for record in read_jsonl(data_dir / f"{subset}.jsonl"):
+        ids = tokenizer(record["context"], add_special_tokens=False)["input_ids"]
+        if lo <= len(ids) <= hi:
+            chosen.append(list(ids))
+        if len(chosen) == count:
+            return chosen
+    raise SystemExit(f"{subset} has {len(chosen)} contexts of {lo} to {hi} tokens, not {count}: widen the range")
+
+
+def kvpress_kept_count(n: int, ratio: float) -> int:
+    """What kvpress keeps of ``n`` entries at ``compression_ratio=ratio`` (rounded down, at least one)."""
+    return max(1, int(n * (1 - ratio)))
+
+
+def run_peer(peer_python: str, methods: dict[str, Method], prompts: list[list[int]], ratio: float) -> Any:
+    with tempfile.TemporaryDirectory() as tmp:
+        request, out = Path(tmp) / "request.json", Path(tmp) / "peer.npz"
+        specs = {name: m.press_spec() for name, m in methods.items()}
+        request.write_text(json.dumps({"ratio": ratio, "prompts": prompts, "methods": specs}), encoding="utf-8")
+        subprocess.run([peer_python, str(PEER_SIDE), str(request), str(out)], check=True)
+        with np.load(out) as got:
+            return {key: got[key] for key in got.files}
+
+
+class ScoreProbe:
+    """Records the scores a policy ranks each layer's entries by (``Policy.scored``, protected entries at +inf),
+    by (layer, KV head, position), NaN where it scored nothing."""
+
+    def __init__(self, policy: Policy, layers: int, heads: int, n: int):
+        self.heads = heads
+        self.scores = np.full((layers, heads, n), np.nan, dtype=np.float32)
+        self.scored = policy.scored
+        policy.scored = self  # type: ignore[method-assign]
+
+    def __call__(self, state: Any, budget: int, padding: float = float("-inf")) -> torch.Tensor:
+        scores = self.scored(state, budget, padding)
+        keys = state.row_keys[:, 0].cpu().numpy()
+        valid = state.valid_mask().cpu().numpy()
+        positions, values = state.positions.cpu().numpy(), scores.cpu().numpy()
+        for row, key in enumerate(keys):
+            layer, head = divmod(int(key), self.heads)
+            self.scores[layer, head, positions[row][valid[row]]] = values[row][valid[row]]
+        return scores
+
+
+def run_kvbench(lm: LoadedModel, method: Method, ids: list[int], budget: float | int) -> tuple[np.ndarray, np.ndarray]:
+    """kvbench's kept mask and scores [layers, heads, n] after prefilling ``ids`` under the method's config."""
+    config = lm.model.config
+    layers, heads, n = config.num_hidden_layers, config.num_key_value_heads, len(ids)
+    policy = build_policy(policy_config(method))
+    probe = ScoreProbe(policy, layers, heads, n)
+    settings = EngineSettings(policy=policy, budget=budget, stage="prefill", trace=True)
+    request = Request(input_ids=ids, settings=DecodeSettings(max_new_tokens=1))
+    generation = Engine(lm.model, lm.tokenizer, settings).run([request])[0]
+    assert generation.trace is not None, "a traced run records its kept positions"
+    kept = np.zeros((layers, heads, n), dtype=bool)
+    for layer, positions in enumerate(generation.trace[0]):  # the prompt's forward: [heads, kept], padded
+        kept[layer, np.arange(heads)[:, None], positions.cpu().numpy()] = True
+    return kept, probe.scores
+
+
+BEGIN, END = "<!-- BEGIN measured by scripts/peer_agreement.py -->", "<!-- END measured -->"
+
+
+def with_section(document: str, section: str) -> str:
+    """``document`` with the text between its BEGIN and END markers replaced by ``section``."""
+    start, end = document.find(BEGIN), document.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"the page has no {BEGIN} ... {END} markers to write the table between")
+    return document[: start + len(BEGIN)] + "\n" + section + "\n" + document[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peer-python", required=True, help="the Python of the environment kvpress is installed in")
+    parser.add_argument("--data-dir", type=Path, required=True, help="a folder holding LongBench's <subset>.jsonl")
+    parser.add_argument("--subset", default="multi_news")
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--min-tokens", type=int, default=900)
+    parser.add_argument("--max-tokens", type=int, default=1200)
+    parser.add_argument("--ratio", type=float, default=0.5, help="kvpress's compression_ratio (the share evicted)")
+    parser.add_argument("--budget", choices=("count", "fraction"), default="count")
+    parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
+    parser.add_argument("--eps", type=float, default=1e-5, help="relative score difference read as a tie")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "peers.md")
+    a = parser.parse_args(argv)
+    methods = {name: METHODS[name] for name in a.methods}
+    prompts = choose_prompts(a.data_dir, a.subset, a.prompts, a.min_tokens, a.max_tokens)
+    peer = run_peer(a.peer_python, methods, prompts, a.ratio)
+    lm = load_model("smollm2", source="embedded", dtype="float32", device="cpu")
+    rows, notes = [], []
+    for name, method in methods.items():
+        agreement = Agreement()
+        for index, ids in enumerate(prompts):
+            budget = kvpress_kept_count(len(ids), a.ratio) if a.budget == "count" else round(1 - a.ratio, 10)
+            kept, scores = run_kvbench(lm, method, ids, budget)
+            compare(agreement, index, kept, peer[f"{name}/{index}/kept"], peer[f"{name}/{index}/scores"], scores, a.eps)
+        rows.append((name, method.press_label(), method.config_label(), agreement))
+        notes += unexplained_rows(name, agreement)
+        print(f"{name}: {agreement.identical}/{agreement.rows} rows identical", flush=True)
+    import transformers
+
+    versions = json.loads(str(peer["versions"]))
+    setup = (
+        f"Measured on {len(prompts)} LongBench `{a.subset}` contexts of {', '.join(str(len(p)) for p in prompts)} "
+        f"tokens, SmolLM2-135M-Instruct (float32, CPU), `compression_ratio={a.ratio}`, kvbench's budget "
+        f"{'kvpress kept count in tokens' if a.budget == 'count' else 'the fraction 1 - ratio'}: kvpress "
+        f"{versions['kvpress']} (transformers {versions['transformers']}, torch {versions['torch']}) against "
+        f"kvbench (transformers {transformers.__version__}, torch {torch.__version__})."
+    )
+    unexplained = ["Unexplained rows (positions only one side kept, with both sides' scores):", "", *notes]
+    section = "\n\n".join([setup, table(rows), *(["\n".join(unexplained)] if notes else [])])
+    print(section)
+    a.out.write_text(with_section(a.out.read_text(encoding="utf-8"), section), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

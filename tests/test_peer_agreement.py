@@ -1,0 +1,150 @@
+"""scripts/peer_agreement.py without the peer: the row comparison and its reasons on kept sets made by hand, the
+method table's configs, and kvbench's side (kept positions and the scores behind them) on the tiny model."""
+
+from __future__ import annotations
+
+import ast
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from kvbench.models import load_model
+from kvbench.policies.registry import build_policy
+
+sys.path.insert(0, str(REPO / "scripts"))
+import peer_agreement  # noqa: E402
+from peer_compare import Agreement, compare, compare_row, differences, jaccard, table  # noqa: E402
+
+
+def mask(n: int, kept: list[int]) -> np.ndarray:
+    out = np.zeros(n, dtype=bool)
+    out[kept] = True
+    return out
+
+
+def one_row(ours: list[int], peer: list[int], peer_scores: list[float], eps: float = 1e-5) -> str:
+    n = len(peer_scores)
+    scores = np.array(peer_scores, dtype=np.float32)
+    return compare_row(mask(n, ours), mask(n, peer), scores, np.zeros(n, np.float32), eps)[0]
+
+
+def test_identical_sets_agree():
+    assert one_row([0, 2, 3], [0, 2, 3], [5, 1, 4, 3]) == "identical"
+
+
+def test_a_swap_of_equal_scores_at_the_cut_is_a_tie():
+    # The peer keeps 0 and 2 (scores 5, 3); 2 and 3 tie at the cut, so keeping 0 and 3 is as good a top-2.
+    assert one_row([0, 3], [0, 2], [5, 1, 3, 3]) == "tie"
+
+
+def test_a_tie_is_within_eps_of_the_cut_and_no_further():
+    assert one_row([0, 3], [0, 2], [5, 1, 3.0, 3.0 - 3e-6]) == "tie"
+    assert one_row([0, 3], [0, 2], [5, 1, 3.0, 3.0 - 3e-4]) == "unexplained"
+    assert one_row([0, 3], [0, 2], [5, 1, 3.0, 3.0 - 3e-4], eps=1e-3) == "tie"
+
+
+def test_a_swap_the_peer_scores_apart_is_unexplained():
+    assert one_row([0, 1], [0, 2], [5, 1, 3, 2]) == "unexplained"
+
+
+def test_different_counts_are_a_kept_count_difference():
+    assert one_row([0, 2, 3], [0, 2], [5, 1, 3, 2]) == "kept count"
+    a = compare(Agreement(), 0, mask(4, [0, 1, 3])[None, None], mask(4, [0, 2])[None, None], *np.zeros((2, 1, 1, 4)))
+    assert a.reasons == {"kept count": 1} and a.nested == 0  # neither set inside the other
+
+
+def test_unrecorded_or_protected_scores_are_never_a_tie():
+    assert one_row([0, 3], [0, 2], [5, 1, float("nan"), 3]) == "unexplained"
+    assert one_row([0, 3], [0, 2], [5, 1, float("inf"), float("inf")]) == "unexplained"
+
+
+def test_jaccard():
+    assert jaccard(mask(4, [0, 1]), mask(4, [1, 2])) == pytest.approx(1 / 3)
+    assert jaccard(mask(4, []), mask(4, [])) == 1.0
+
+
+def test_compare_counts_rows_and_keeps_both_scores_of_the_swapped_entries():
+    layers, heads, n = 2, 3, 6
+    peer = np.zeros((layers, heads, n), dtype=bool)
+    peer[..., :3] = True
+    ours = peer.copy()
+    ours[1, 2] = mask(n, [0, 1, 3])  # swaps 2 for 3: a tie under the peer's scores
+    ours[0, 1] = mask(n, [0, 1, 2, 3])  # one more kept
+    peer_scores = np.tile(np.array([6, 5, 4, 4, 1, 0], dtype=np.float32), (layers, heads, 1))
+    our_scores = peer_scores * 2
+    a = compare(Agreement(), 7, ours, peer, peer_scores, our_scores)
+    assert (a.rows, a.identical) == (6, 4)
+    assert a.reasons == {"tie": 1, "kept count": 1}
+    tie = next(d for d in a.diffs if d.reason == "tie")
+    assert (tie.prompt, tie.layer, tie.head, tie.peer_only, tie.ours_only) == (7, 1, 2, [2], [3])
+    assert tie.peer_scores == {2: 4.0, 3: 4.0} and tie.our_scores == {2: 8.0, 3: 8.0}
+    assert a.mean_jaccard == pytest.approx((4 + 0.5 + 0.75) / 6)
+    assert a.nested == 1 and next(d for d in a.diffs if d.reason == "kept count").nested
+    assert differences(a) == "kept count: 1 (1 nested), tie: 1"
+    row = "| `snapkv` | `SnapKVPress()` | `policy=snapkv` | 6 | 66.7 % | 0.8750 | kept count: 1 (1 nested), tie: 1 |"
+    assert row in table([("snapkv", "SnapKVPress()", "policy=snapkv", a)])
+    with pytest.raises(ValueError, match="cannot be compared"):
+        compare(Agreement(), 0, ours[:1], peer, peer_scores, our_scores)
+
+
+def test_the_page_is_rewritten_between_its_markers_only():
+    page = f"intro\n{peer_agreement.BEGIN}\nold\n{peer_agreement.END}\noutro\n"
+    assert (
+        peer_agreement.with_section(page, "new") == f"intro\n{peer_agreement.BEGIN}\nnew\n{peer_agreement.END}\noutro\n"
+    )
+    with pytest.raises(SystemExit, match="markers"):
+        peer_agreement.with_section("no markers", "new")
+
+
+@pytest.mark.parametrize("name", sorted(peer_agreement.METHODS))
+def test_every_method_names_a_config_that_builds_with_its_overrides(name):
+    method = peer_agreement.METHODS[name]
+    config = peer_agreement.policy_config(method)
+    for key, value in method.overrides.items():
+        node = config
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, f"{name}: policy.{key} did not take"
+    assert build_policy(config).evicts
+
+
+def test_an_override_of_a_missing_key_is_refused():
+    with pytest.raises(Exception, match="bogus"):
+        peer_agreement.policy_config(peer_agreement.Method("SnapKVPress", "snapkv", overrides={"score.bogus": 1}))
+
+
+def test_kvpress_kept_count_rounds_down():
+    assert peer_agreement.kvpress_kept_count(1001, 0.5) == 500
+    assert peer_agreement.kvpress_kept_count(10, 0.75) == 2
+    assert peer_agreement.kvpress_kept_count(3, 0.99) == 1
+
+
+def test_the_peer_side_imports_nothing_from_kvbench():
+    tree = ast.parse((REPO / "scripts" / "peer_kvpress_side.py").read_text(encoding="utf-8"))
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "kvpress" in modules and not any(m.split(".")[0] == "kvbench" for m in modules)
+
+
+@pytest.mark.parametrize(
+    ("policy", "overrides"),
+    [("snapkv", {"score.window": 8}), ("adakv", {"score.window": 8}), ("tova", {})],
+)
+def test_kvbench_keeps_the_top_of_the_scores_it_records(policy, overrides):
+    """kvbench's side, read back: every row keeps ``budget`` entries in all (per head under Ada-KV), and they
+    are the highest of the scores the probe recorded."""
+    lm = load_model("tiny", source="tiny", dtype="float32", device="cpu")
+    ids = np.random.default_rng(0).integers(0, 250, 96).tolist()
+    budget = 40
+    kept, scores = peer_agreement.run_kvbench(lm, peer_agreement.Method("P", policy, overrides=overrides), ids, budget)
+    layers, heads = lm.model.config.num_hidden_layers, lm.model.config.num_key_value_heads
+    assert kept.shape == scores.shape == (layers, heads, 96)
+    assert not np.isnan(scores).any()
+    assert (kept.sum(axis=(1, 2)) == heads * budget).all()
+    for layer in range(layers):
+        flat = scores[layer].reshape(1, -1) if policy == "adakv" else scores[layer]  # Ada-KV ranks across heads
+        flat_kept = kept[layer].reshape(flat.shape)
+        for r in range(flat.shape[0]):
+            assert flat[r][flat_kept[r]].min() >= flat[r][~flat_kept[r]].max()
