@@ -90,6 +90,29 @@ METHODS: dict[str, Method] = {
         inner_kwargs=SNAPKV,
     ),
     "observed_attention": Method("ObservedAttentionPress", "mean_window", overrides={"scope.window": 0}, eager=True),
+    "keydiff": Method("KeyDiffPress", "keydiff"),
+    "lagkv": Method("LagKVPress", "lagkv", {"n_sink": 4, "lag_size": 128, "cross_scoring": False}),
+    "chunkkv": Method("ChunkKVPress", "chunkkv", {"chunk_length": 20}, inner="SnapKVPress", inner_kwargs=SNAPKV),
+    "expected_attention": Method("ExpectedAttentionPress", "expected_attention"),
+    "criticalkv": Method(
+        "CriticalKVPress",
+        "criticalkv",
+        {"epsilon": 1e-4, "first_stage_ratio": 0.5},
+        {"score.base.window": 64},
+        inner="SnapKVPress",
+        inner_kwargs=SNAPKV,
+    ),
+    "criticalkv_adakv": Method(
+        "CriticalAdaKVPress",
+        "criticalkv_adakv",
+        {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5},
+        {"score.base.window": 64},
+        inner="SnapKVPress",
+        inner_kwargs=SNAPKV,
+    ),
+    "cur": Method("CURPress", "cur"),
+    "cap": Method("CapPress", "cap"),
+    "noncausal_attn": Method("NonCausalAttnPress", "noncausal_attn"),
 }
 
 

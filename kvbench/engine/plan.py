@@ -75,8 +75,9 @@ def sliding_problem(policy: Policy, windows: list[int | None]) -> str | None:
     (never visible again) into kept ones, changing the model's function even at a full budget."""
     if policy.merge and evicts_in_sliding_layers(policy, windows):
         return (
-            "policy.merge=true cannot evict inside sliding-window layers (an entry that left the window would "
-            "be folded into kept ones); use policy.sliding_layers=window on a hybrid model, or merge=false"
+            "a merging policy (policy.merge) cannot evict inside sliding-window layers (an entry that left the "
+            "window would be folded into kept ones); use policy.sliding_layers=window on a hybrid model, or "
+            "policy.merge=false"
         )
     return None
 

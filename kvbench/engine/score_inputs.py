@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvbench.policies.base import Policy
-from kvbench.policies.positions import Rotary, score_rotaries
+from kvbench.policies.positions import QUERIES_BEFORE_ROPE, Rotary, rope_refusal, score_rotaries
 
 # Where each declared weight lives in a transformers attention module: the first of these its family has.
 ATTRIBUTES = {"output_projection": ("o_proj", "dense", "out_proj", "c_proj")}
@@ -89,5 +89,8 @@ class ScoreInputs:
         if policy.rope or (wants is not None and not wants.rope):
             if model is None:
                 raise ValueError("a score reading queries before RoPE, or RoPE itself, needs the model")
+            problem = rope_refusal(model.config, None, *QUERIES_BEFORE_ROPE) if wants and not wants.rope else None
+            if problem:
+                raise ValueError(problem)
             self.rotaries = score_rotaries(model)
         self.queries: list[torch.Tensor | None] = [None] * layers

@@ -60,16 +60,22 @@ def assert_same_as_alone(batched: Generation, alone: Generation, where: str) -> 
     )
 
 
-def assert_within_budget(g: Generation, heads: int, per_head: bool, stage: str, chunks: int, where: str) -> None:
+def assert_within_budget(
+    g: Generation, heads: int, per_head: bool, stage: str, chunks: int, where: str, interval: int = 1
+) -> None:
     """After every step that evicts, no row holds more than the allocation gives: in all, layers × budget per
-    head (pyramid budgets differ by layer), or heads × budget per layer under per-head allocation."""
-    steps = {"prefill": g.trace[:chunks], "decode": g.trace[chunks:], "both": g.trace}[stage]
-    for step in steps:
+    head (pyramid budgets differ by layer), or heads × budget per layer under per-head allocation; a decode
+    step may hold up to ``interval - 1`` more, the growth between evictions."""
+    first = {"prefill": 0, "decode": chunks + interval - 1, "both": 0}[stage]  # stage=decode: from its first eviction
+    last = chunks if stage == "prefill" else len(g.trace)
+    for index in range(first, last):
+        step = g.trace[index]
+        budget = g.measures.budget_tokens + (interval - 1 if index >= chunks else 0)
         counts = [[len(set(h.tolist())) for h in held] for held in step]
         if per_head:
-            assert all(sum(c) <= heads * g.measures.budget_tokens for c in counts), where
+            assert all(sum(c) <= heads * budget for c in counts), where
         else:
-            assert sum(max(c) for c in counts) <= len(step) * g.measures.budget_tokens, where
+            assert sum(max(c) for c in counts) <= len(step) * budget, where
 
 
 def check_batch(
@@ -105,13 +111,15 @@ def check_batch(
         assert b.batch_size == batch_size and len(b.decode_batch_sizes) == len(b.tokens) - 1
         if heads is not None and policy.evicts:
             chunks = -(-len(r.input_ids) // (stride or len(r.input_ids)))
-            assert_within_budget(b, heads, policy.allocation.per_head, stage, chunks, where)
+            assert_within_budget(b, heads, policy.allocation.per_head, stage, chunks, where, policy.interval)
     return batched
 
 
 @pytest.mark.parametrize("name", NAMED)
 def test_every_named_policy_in_every_stage_batched_equals_alone(tiny, name):
     policy = named(name)
+    if policy.interval > 2:  # a named buffer (R-KV's 128 steps) outlasts this run: evict every other step
+        policy = named(name, interval=2)
     reqs = requests()
     for stage in [s for s in ("prefill", "decode", "both") if s not in policy.unsupported_stages]:
         stride = None if policy.whole_prompt else 8  # a score reading every prompt query needs it in one step

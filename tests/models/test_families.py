@@ -36,9 +36,12 @@ def stages(policy: dict) -> list[str]:
 
 
 def runs_on(family: str, policy: dict) -> bool:
-    """A policy whose score reads the queries before RoPE is refused on a family without RoPE (tested below)."""
-    queries = build_policy(policy).queries
-    return family not in NO_ROPE or queries is None or queries.rope
+    """A policy whose score reads the queries before RoPE is refused on a family without RoPE, and a merging one
+    on a family whose every layer slides (both refusals tested below)."""
+    built = build_policy(policy)
+    if built.merge and all(w is not None for w in layer_windows(family_config(family))):
+        return False
+    return family not in NO_ROPE or built.queries is None or built.queries.rope
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,7 @@ def test_every_named_policy_runs_in_every_stage_and_sliding_layers_hold_at_most_
                     0.25,
                     stage,
                     DecodeSettings(max_new_tokens=4),
-                    stride=256,
+                    stride=None if policy.whole_prompt else 256,  # a whole-prompt score reads every prompt query
                     trace=True,
                 )
                 assert len(g.tokens) == 4
