@@ -44,6 +44,12 @@ def runs_on(family: str, policy: dict) -> bool:
     return family not in NO_ROPE or built.queries is None or built.queries.rope
 
 
+def traced(model, prompt: list[int], policy, budget: float, stage: str, stride: int | None):
+    """kvbench's run with its logits and the kept positions of every step, for the masked eager replay."""
+    settings = DecodeSettings(max_new_tokens=NEW)
+    return generate(model, None, prompt, policy, budget, stage, settings, stride=stride, return_logits=True, trace=True)
+
+
 @pytest.fixture(scope="module")
 def prompt() -> list[int]:
     return torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -99,18 +105,7 @@ def test_eviction_equals_the_familys_eager_attention_masked_to_the_kept_set(fami
                 continue
             built = build_policy(policy)
             budget = max(4, built.scope.min_budget())
-            g = generate(
-                model,
-                None,
-                prompt,
-                built,
-                budget,
-                stage,
-                DecodeSettings(max_new_tokens=NEW),
-                stride=stride,
-                return_logits=True,
-                trace=True,
-            )
+            g = traced(model, prompt, built, budget, stage, stride)
             where = f"{family} {name} {extra} {stage} stride={stride}"
             replayed = eager_replay(model, prompt, g.tokens, g.trace, stride)
             torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4, msg=where)
@@ -461,18 +456,7 @@ def test_a_decode_schedule_equals_masked_replay_and_generate_at_the_length(famil
     for name in ("h2o", "streamingllm", "tova"):
         policy = named(name, interval=3)
         for stage, stride in (("both", 7), ("decode", None)):
-            g = generate(
-                model,
-                None,
-                prompt,
-                build_policy(policy),
-                6,
-                stage,
-                DecodeSettings(max_new_tokens=NEW),
-                stride=stride,
-                return_logits=True,
-                trace=True,
-            )
+            g = traced(model, prompt, build_policy(policy), 6, stage, stride)
             where = f"{family} {name} interval=3 {stage} stride={stride}"
             if has_full:  # a full-attention layer grew: the last step did not evict
                 assert max(held.shape[-1] for held in g.trace[-1]) > 6, where

@@ -4,9 +4,14 @@ the tiny model itself projected and rotated. Nothing here calls kvbench."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+from engine_run import generate
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from kvbench.engine.engine import DecodeSettings
 
 
 def np_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
@@ -105,7 +110,7 @@ class Projections:
     the (cos, sin) it rotated with."""
 
     def __init__(self, model: torch.nn.Module):
-        layers = model.model.layers
+        self.model, layers = model, model.model.layers
         self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         self.projected: list[dict[str, list[torch.Tensor]]] = [{"q": [], "k": [], "v": []} for _ in layers]
         self.rotations: list[list] = [[] for _ in layers]
@@ -127,6 +132,15 @@ class Projections:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+    def run(self, policy: Any, ids: list[int], budget: float, stage: str, new_tokens: int, stride: int | None = None):
+        """The engine on ``ids`` under ``policy`` (unfused, so scores see every eviction), recording; the hooks
+        are removed afterwards whatever happens."""
+        try:
+            settings = DecodeSettings(max_new_tokens=new_tokens)
+            generate(self.model, None, ids, policy, budget, stage, settings, stride=stride, fused=False)
+        finally:
+            self.remove()
 
     def before_rope(self, layer: int, what: str) -> np.ndarray:
         """Every forward's q, k or v of ``layer`` in sequence order, [heads, positions, D]."""

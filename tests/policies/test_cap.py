@@ -6,11 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_run import generate
 from linalg_reference import Projections, np_cap, np_mean_rotation, np_rope
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy
 from kvbench.policies.positions import Rotary, RowRope
@@ -96,12 +94,8 @@ def test_cap_through_the_engine_equals_numpy(tiny, random_ids, allocation) -> No
             return scores
 
     projections = Projections(model)
-    try:
-        policy = Policy("cap", Checked(n_future_positions=64), All(), allocation=allocation)
-        ids = random_ids(prompt, seed=6)
-        generate(model, None, ids, policy, 12, "prefill", DecodeSettings(max_new_tokens=3), fused=False)
-    finally:
-        projections.remove()
+    policy = Policy("cap", Checked(n_future_positions=64), All(), allocation=allocation)
+    projections.run(policy, random_ids(prompt, seed=6), 12, "prefill", 3)
     assert calls and set(calls) == {"prefill"}
 
 

@@ -7,11 +7,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import CONFIG_DIR
-from engine_run import generate
 from linalg_reference import Projections, np_leverage, np_noncausal, np_rope, np_zscore
 from omegaconf import OmegaConf
 
-from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.base import Policy
 from kvbench.policies.positions import Rotary, RowRope
 from kvbench.policies.registry import build_policy
@@ -95,12 +93,8 @@ def test_compactor_through_the_engine_equals_numpy(tiny, random_ids) -> None:
             return scores
 
     projections = Projections(model)
-    try:
-        policy = Policy("compactor", Checked(chunk_size=16, sketch_dimension=6), All())
-        ids = random_ids(prompt, seed=9)
-        generate(model, None, ids, policy, budget, "prefill", DecodeSettings(max_new_tokens=3), fused=False)
-    finally:
-        projections.remove()
+    policy = Policy("compactor", Checked(chunk_size=16, sketch_dimension=6), All())
+    projections.run(policy, random_ids(prompt, seed=9), budget, "prefill", 3)
     assert calls and set(calls) == {"prefill"}
 
 

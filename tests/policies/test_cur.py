@@ -6,10 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_run import generate
 from linalg_reference import Projections, np_cur
 
-from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import build_policy
@@ -63,12 +61,8 @@ def test_cur_through_the_engine_equals_numpy_at_every_eviction(tiny, random_ids)
             return scores
 
     projections = Projections(model)
-    try:
-        policy = Policy("cur", Checked(local_window=4), All(), allocation=Adaptive(floor=0.0))
-        ids = random_ids(30, seed=1)
-        generate(model, None, ids, policy, 12, "both", DecodeSettings(max_new_tokens=4), stride=8, fused=False)
-    finally:
-        projections.remove()
+    policy = Policy("cur", Checked(local_window=4), All(), allocation=Adaptive(floor=0.0))
+    projections.run(policy, random_ids(30, seed=1), 12, "both", 4, stride=8)
     assert len(checked) >= 5 and any(checked), "rows were padded at some eviction"
 
 

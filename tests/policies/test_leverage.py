@@ -7,10 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_run import generate
 from linalg_reference import Projections, np_leverage, np_rope, np_zscore
 
-from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy
 from kvbench.policies.positions import Rotary, RowRope
@@ -104,12 +102,8 @@ def test_the_view_reads_the_keys_the_model_projected_before_rope(tiny, random_id
             return super().__call__(view)
 
     projections = Projections(model)
-    try:
-        policy = Policy("leverage", Recording(4), All(), allocation=Adaptive(floor=0.0), positions=positions)
-        ids = random_ids(30, seed=2)
-        generate(model, None, ids, policy, 12, "both", DecodeSettings(max_new_tokens=5), stride=8, fused=False)
-    finally:
-        projections.remove()
+    policy = Policy("leverage", Recording(4), All(), allocation=Adaptive(floor=0.0), positions=positions)
+    projections.run(policy, random_ids(30, seed=2), 12, "both", 5, stride=8)
     assert len(seen) >= 5
     for row_keys, held, mask, keys in seen:
         for row, key in enumerate(row_keys.tolist()):
@@ -142,12 +136,8 @@ def test_leverage_through_the_engine_equals_numpy_at_every_eviction(tiny, random
 
     keys_dim = model.config.hidden_size // model.config.num_attention_heads
     projections = Projections(model)
-    try:
-        policy = Policy("leverage", Checked(4), All(), allocation=Adaptive(floor=0.0))
-        ids = random_ids(30, seed=3)
-        generate(model, None, ids, policy, 12, "both", DecodeSettings(max_new_tokens=4), stride=8, fused=False)
-    finally:
-        projections.remove()
+    policy = Policy("leverage", Checked(4), All(), allocation=Adaptive(floor=0.0))
+    projections.run(policy, random_ids(30, seed=3), 12, "both", 4, stride=8)
     assert len(checked) >= 5 and any(checked), "rows were padded at some eviction"
 
 

@@ -7,10 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_run import generate
 from linalg_reference import Projections, np_noncausal, np_zscore
 
-from kvbench.engine.engine import DecodeSettings
 from kvbench.policies import blocks
 from kvbench.policies.allocations.adaptive import Adaptive
 from kvbench.policies.base import Allocation, Policy
@@ -91,12 +89,8 @@ def test_noncausal_attention_through_the_engine_equals_numpy(tiny, random_ids, a
             return scores
 
     projections = Projections(model)
-    try:
-        policy = Policy("noncausal_attn", Checked(chunk_size=16), All(), allocation=allocation, positions=positions)
-        ids = random_ids(prompt, seed=8)
-        generate(model, None, ids, policy, 12, "prefill", DecodeSettings(max_new_tokens=3), fused=False)
-    finally:
-        projections.remove()
+    policy = Policy("noncausal_attn", Checked(chunk_size=16), All(), allocation=allocation, positions=positions)
+    projections.run(policy, random_ids(prompt, seed=8), 12, "prefill", 3)
     assert calls and set(calls) == {"prefill"}
 
 
