@@ -124,9 +124,13 @@ def kvbench_times(
 
 
 def interleaved_step_ms(
-    lm: LoadedModel, runs: dict[Any, tuple[str, float | int, str, list[int]]], args: argparse.Namespace
+    lm: LoadedModel,
+    runs: dict[Any, tuple[Any, float | int, str, list[int]]],
+    args: argparse.Namespace,
+    reduce: Callable[[list[float]], float] = statistics.median,
 ) -> dict[Any, float]:
-    """Per label (label -> (policy, budget, stage, prompt ids)), the median decode step in ms. In each of
+    """Per label (label -> (policy's config name or built policy, budget, stage, prompt ids)), the median decode
+    step in ms (``reduce``: another statistic of the steps). In each of
     ``--repeats`` rounds every run encodes its prompt, then the runs decode one token each in turn, the order
     rotating every step: what a disturbance of the machine costs, it costs every run alike."""
     lm.model.generation_config.eos_token_id = None  # with no tokenizer either: exactly new_tokens every run
@@ -136,7 +140,8 @@ def interleaved_step_ms(
         for _ in range(args.repeats):
             live = {}
             for label, (name, budget, stage, ids) in runs.items():
-                engine = Engine(lm.model, None, EngineSettings(policy(name), budget, stage, stride=args.stride))
+                built = policy(name) if isinstance(name, str) else name  # a config's name, or a built policy
+                engine = Engine(lm.model, None, EngineSettings(built, budget, stage, stride=args.stride))
                 live[label] = engine.steps([Request(ids, settings=settings)])
                 next(live[label])  # the prompt
             for step in itertools.count():
@@ -147,7 +152,7 @@ def interleaved_step_ms(
                     for _, g in next(live[label]):
                         steps[label] += g.decode_latencies_s
                         del live[label]
-    return {label: statistics.median(xs) * 1e3 for label, xs in steps.items()}
+    return {label: reduce(xs) * 1e3 for label, xs in steps.items()}
 
 
 def baseline(label: str) -> str:

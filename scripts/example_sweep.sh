@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Reproduce results/example: a real sweep on the embedded SmolLM2 (a CPU is enough) and its report.
-# Retrieval and an XSum sample (from ../shared/data, the hub's file layout), four policies plus the
-# full cache, three budgets, prefill and decode stages.
+# Retrieval and an XSum sample (from ../shared/data, the hub's file layout), every named method plus the
+# full cache, three budgets, in the stages each method runs in (prefill and decode where both have a meaning).
+# A rerun skips the cells already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-GRID=(results_dir=results sweep_name=example "policy=full,streamingllm,h2o,tova,roco"
-      "budget=0.25,0.5,0.75" "stage=prefill,decode" print_table=false)
-.venv/bin/kvbench-run -m "${GRID[@]}" task=retrieval task.n=5 task.context_tokens=1024
-.venv/bin/kvbench-run -m "${GRID[@]}" task=xsum task.data_dir="${XSUM_DIR:-../shared/data/xsum}" task.n=4 \
-  task.max_new_tokens=40 task.max_prompt_tokens=1024
+BOTH=full,streamingllm,h2o,tova,roco,keydiff,lagkv,leverage,cur,threshold,cam  # prefill and decode
+PREFILL=expected_attention,criticalkv,criticalkv_adakv,chunkkv,noncausal_attn,compactor,cap  # prompt scores
+DECODE=rkv  # a decode-time rule
+CELLS=("policy=$BOTH stage=prefill,decode" "policy=$PREFILL stage=prefill" "policy=$DECODE stage=decode")
+COMMON=(results_dir=results sweep_name=example "budget=0.25,0.5,0.75" print_table=false)
+for cells in "${CELLS[@]}"; do
+  read -ra grid <<< "$cells"
+  .venv/bin/kvbench-run -m "${COMMON[@]}" "${grid[@]}" task=retrieval task.n=5 task.context_tokens=1024
+  .venv/bin/kvbench-run -m "${COMMON[@]}" "${grid[@]}" task=xsum task.data_dir="${XSUM_DIR:-../shared/data/xsum}" \
+    task.n=4 task.max_new_tokens=40 task.max_prompt_tokens=1024
+done
 .venv/bin/kvbench-report results/example --out results/example/report

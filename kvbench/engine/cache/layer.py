@@ -98,11 +98,12 @@ class CacheLayer(CacheLayerMixin):
         if self.rotary is not None:
             stored = self.rotary.unrotate(key_states, feeding.model_positions.unsqueeze(1))
         store.write(rows, slots, stored.reshape(b * h, q, -1), value_states.reshape(b * h, q, -1))
-        if self.policy.feature_names:
-            weights = self.inputs.weights[layer]
-            write_features(e, layer, store, self.policy, rows.repeat_interleave(q), slots.reshape(-1), weights)
-        if e.row_sums is not None:
-            e.row_sums.add(layer, rows, slots)
+        if feeding.step.collects:  # no later eviction reads what a step that does not collect writes
+            if self.policy.feature_names:
+                weights = self.inputs.weights[layer]
+                write_features(e, layer, store, self.policy, rows.repeat_interleave(q), slots.reshape(-1), weights)
+            if e.row_sums is not None:
+                e.row_sums.add(layer, rows, slots)
         n = feeding.key_spans[layer]
         keys, values = store.read(lanes.start * h, lanes.stop * h, n)
         rr = e.row_range(lanes.start, lanes.stop)
