@@ -102,12 +102,12 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test on a real model (SmolLM2, Gemma 3 270M) is ``slow``; ``gpu`` tests are skipped where torch sees no
-    CUDA, with the reason."""
+    """A test on a real model (SmolLM2, Gemma 3 270M) is ``real_model``; ``gpu`` tests are skipped where torch sees
+    no CUDA, with the reason."""
     skip = pytest.mark.skip(reason="needs CUDA; torch sees no GPU here")
     for item in items:
         if {"smollm", "gemma"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.real_model)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
 

@@ -186,7 +186,7 @@ def test_every_family_batched_equals_alone(family):
         )
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm_batched_equals_alone(smollm):
     """Real prompts' lengths (hundreds of tokens), a stop string and EOS active, B=4 over 6 sequences."""
     reqs = requests(
@@ -204,7 +204,7 @@ def test_smollm_batched_equals_alone(smollm):
         check_batch(smollm.model, reqs, policy, 0.25, stage, batch_size=4, stride=128, tokenizer=smollm.tokenizer)
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_gemma_batched_equals_alone(gemma):
     """Prompts past the 512-token window of the sliding layers, multi-query attention."""
     reqs = requests(lengths=(600, 540, 700), news=(8, 5, 8), ids_seed=8, high=50000)

@@ -6,7 +6,10 @@ family's eager attention over transformers' own cache (tests/family_models.py), 
 
 from __future__ import annotations
 
+import functools
 import glob
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -50,37 +53,49 @@ def traced(model, prompt: list[int], policy, budget: float, stage: str, stride: 
     return generate(model, None, prompt, policy, budget, stage, settings, stride=stride, return_logits=True, trace=True)
 
 
-@pytest.fixture(scope="module")
-def prompt() -> list[int]:
-    return torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+# Which cells of the method × family matrix run by default (docs/testing.md): every method on the families whose
+# attention code differs (GQA with RoPE, all-sliding, softcapped, hybrid local/global, partial and interleaved
+# rotary, no RoPE), and the methods that predate 2024 on every family. The other cells are marked ``slow`` and run
+# under ``pytest -m slow``; none is left out.
+DISTINCT = ("llama", "mistral-window", "gemma2-softcap", "gemma3", "gpt-neox", "gptj", "gpt2")
+CORE = (
+    "full",
+    "window",
+    "streamingllm",
+    "random",
+    "h2o",
+    "scissorhands",
+    "tova",
+    "roco",
+    "mean_window",
+    "accumulated_robust",
+    "vatp",
+    "knorm",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_policy_at_a_budget_of_the_length_equals_the_familys_generate(family, prompt):
-    model = build(family)
-    ref_tokens, ref_logits = family_greedy(model, prompt, NEW)
-    variants = [keeping_all(named(name)) for name in NAMED]
+def cells(variants: Callable[[str], list[tuple[str, dict]]]) -> list:
+    """One test per (family, policy variant) that runs there; ``slow`` outside the default cells."""
+    params = []
+    for family in FAMILIES:
+        for name, extra in variants(family):
+            if runs_on(family, named(name, **extra)):
+                marks = () if family in DISTINCT or name in CORE else (pytest.mark.slow,)
+                label = "-".join([family, name, *(f"{k}={v}" for k, v in extra.items())])
+                params.append(pytest.param(family, name, extra, marks=marks, id=label))
+    return params
+
+
+def generate_variants(family: str) -> list[tuple[str, dict]]:
+    variants: list[tuple[str, dict]] = [(name, {}) for name in NAMED]
     if family in SLIDING:
-        variants += [named(name, sliding_layers="evict") for name in ("h2o", "tova", "snapkv", "adakv", "window")]
+        variants += [(name, {"sliding_layers": "evict"}) for name in ("h2o", "tova", "snapkv", "adakv", "window")]
     if family not in NO_ROPE:  # kept keys re-rotated in the family's own RoPE layout (per layer where it differs)
-        variants += [named(name, positions="reindex") for name in ("streamingllm", "h2o", "adakv")]
-    for policy in [v for v in variants if runs_on(family, v)]:
-        for stage in stages(policy):
-            stride = None if stage == "prefill" else 7  # one chunk, and chunks shorter than the window and longer
-            g = generate(
-                model,
-                None,
-                prompt,
-                build_policy(policy),
-                PROMPT + NEW,
-                stage,
-                DecodeSettings(max_new_tokens=NEW),
-                stride=stride,
-                return_logits=True,
-            )
-            where = f"{family} {policy['name']} {policy.get('sliding_layers', '')} {stage} stride={stride}"
-            assert g.tokens == ref_tokens, where
-            torch.testing.assert_close(g.logits, ref_logits, rtol=1e-5, atol=1e-5, msg=where)
+        variants += [(name, {"positions": "reindex"}) for name in ("streamingllm", "h2o", "adakv")]
+    return variants
 
 
 # Every policy that evicts (a new policy config is replayed without an entry here), except those that merge: they
@@ -90,30 +105,78 @@ REPLAYED = [
 ]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_eviction_equals_the_familys_eager_attention_masked_to_the_kept_set(family, prompt):
-    model = build(family)
-    checked, moved = 0, 0.0
-    variants = [(name, {}) for name in REPLAYED]
+def replay_variants(family: str) -> list[tuple[str, dict]]:
+    variants: list[tuple[str, dict]] = [(name, {}) for name in REPLAYED]
     if family in SLIDING:
         variants += [(name, {"sliding_layers": "evict"}) for name in ("h2o", "adakv", "window")]
-    variants = [(name, extra) for name, extra in variants if runs_on(family, named(name, **extra))]
-    for name, extra in variants:
-        policy = named(name, **extra)
-        for stage, stride in (("both", 7), (stages(policy)[-1], None), ("prefill", None)):
-            if stage not in stages(policy):
-                continue
-            built = build_policy(policy)
-            budget = max(4, built.scope.min_budget())
-            g = traced(model, prompt, built, budget, stage, stride)
-            where = f"{family} {name} {extra} {stage} stride={stride}"
-            replayed = eager_replay(model, prompt, g.tokens, g.trace, stride)
-            torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4, msg=where)
-            checked += 1
-            # The comparison has teeth: without the kept-set mask the family's attention gives other logits.
-            moved = max(moved, float((eager_replay(model, prompt, g.tokens, None, stride) - g.logits).abs().max()))
-    assert moved > 1e-2
-    assert checked >= len(variants)
+    return variants
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+@functools.cache
+def tiny(family: str) -> Any:
+    """One tiny model per family for the module's many cells (no test changes its weights)."""
+    return build(family)
+
+
+@functools.cache
+def greedy(family: str, prompt: tuple[int, ...]) -> tuple[list[int], torch.Tensor]:
+    return family_greedy(tiny(family), list(prompt), NEW)
+
+
+@pytest.mark.parametrize("family, name, extra", cells(generate_variants))
+def test_every_policy_at_a_budget_of_the_length_equals_the_familys_generate(family, name, extra, prompt):
+    model = tiny(family)
+    ref_tokens, ref_logits = greedy(family, tuple(prompt))
+    policy = keeping_all(named(name, **extra))
+    for stage in stages(policy):
+        stride = None if stage == "prefill" else 7  # one chunk, and chunks shorter than the window and longer
+        g = generate(
+            model,
+            None,
+            prompt,
+            build_policy(policy),
+            PROMPT + NEW,
+            stage,
+            DecodeSettings(max_new_tokens=NEW),
+            stride=stride,
+            return_logits=True,
+        )
+        where = f"{family} {name} {extra} {stage} stride={stride}"
+        assert g.tokens == ref_tokens, where
+        torch.testing.assert_close(g.logits, ref_logits, rtol=1e-5, atol=1e-5, msg=where)
+
+
+@pytest.mark.parametrize("family, name, extra", cells(replay_variants))
+def test_eviction_equals_the_familys_eager_attention_masked_to_the_kept_set(family, name, extra, prompt):
+    model = tiny(family)
+    policy = named(name, **extra)
+    checked = 0
+    for stage, stride in (("both", 7), (stages(policy)[-1], None), ("prefill", None)):
+        if stage not in stages(policy):
+            continue
+        built = build_policy(policy)
+        budget = max(4, built.scope.min_budget())
+        g = traced(model, prompt, built, budget, stage, stride)
+        where = f"{family} {name} {extra} {stage} stride={stride}"
+        replayed = eager_replay(model, prompt, g.tokens, g.trace, stride)
+        torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4, msg=where)
+        checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_kept_set_mask_has_teeth(family, prompt):
+    """Without the kept-set mask the family's attention gives other logits than an evicting run: the replay
+    comparison above can fail."""
+    model = tiny(family)
+    g = traced(model, prompt, build_policy(named("h2o")), 4, "both", 7)
+    unmasked = eager_replay(model, prompt, g.tokens, None, 7)
+    assert float((unmasked - g.logits).abs().max()) > 1e-2
 
 
 @pytest.mark.parametrize("family", SLIDING)
