@@ -53,10 +53,24 @@ def squad(tmp_path_factory) -> str:
     for i, text in enumerate(articles(40)):
         paragraph, title = text[:700], f"article {i % 8}"
         answer = paragraph.split()[3]
-        rows.append(dict(id=f"q{i}", title=title, context=paragraph, question=f"Which word is fourth in {i}?",
-                         answers={"text": [answer, answer.upper()], "answer_start": [0, 0]}))
-        rows.append(dict(id=f"u{i}", title=title, context=paragraph, question="Unanswerable?",
-                         answers={"text": [], "answer_start": []}))
+        rows.append(
+            dict(
+                id=f"q{i}",
+                title=title,
+                context=paragraph,
+                question=f"Which word is fourth in {i}?",
+                answers={"text": [answer, answer.upper()], "answer_start": [0, 0]},
+            )
+        )
+        rows.append(
+            dict(
+                id=f"u{i}",
+                title=title,
+                context=paragraph,
+                question="Unanswerable?",
+                answers={"text": [], "answer_start": []},
+            )
+        )
     path = tmp_path_factory.mktemp("squad") / "dev.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
     return str(path)
@@ -70,8 +84,16 @@ def hotpot(tmp_path_factory) -> str:
     for i in range(6):
         titles = [f"title {i}-{k}" for k in range(10)]
         sentences = [[s + " " for s in texts[i * 10 + k][:300].split(". ")] for k in range(10)]
-        rows.append(dict(id=f"h{i}", question=f"What is in {titles[0]}?", answer=f"answer{i}", type="bridge",
-                         level="easy", context={"title": titles, "sentences": sentences}))
+        rows.append(
+            dict(
+                id=f"h{i}",
+                question=f"What is in {titles[0]}?",
+                answer=f"answer{i}",
+                type="bridge",
+                level="easy",
+                context={"title": titles, "sentences": sentences},
+            )
+        )
     path = tmp_path_factory.mktemp("hotpot") / "dev.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
     return str(path)

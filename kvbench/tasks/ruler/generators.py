@@ -84,7 +84,7 @@ def _haystack_units(
     if spec.haystack == "essay":
         assert essay is not None  # loaded by the task
         return sentences(" ".join(essay[:size])), " "
-    distractors = []
+    distractors: list[str] = []
     while len(distractors) < size:  # needles of other keys, never one of the hidden keys
         key = random_value(rng, spec.key_kind)
         if key not in keys:

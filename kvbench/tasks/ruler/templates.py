@@ -24,19 +24,21 @@ class Subtask:
     dataset: str = ""  # qa: squad | hotpotqa
 
 
-def _niah(haystack: str, key: str = "words", value: str = "numbers", **counts: int) -> Subtask:
-    return Subtask("niah", 128, "string_match_all", haystack, key, value, **counts)
+def _niah(
+    haystack: str, key: str = "words", value: str = "numbers", keys: int = 1, values: int = 1, queries: int = 1
+) -> Subtask:
+    return Subtask("niah", 128, "string_match_all", haystack, key, value, keys, values, queries)
 
 
 SUBTASKS: dict[str, Subtask] = {
     "niah_single_1": _niah("repeat"),
     "niah_single_2": _niah("essay"),
     "niah_single_3": _niah("essay", value="uuids"),
-    "niah_multikey_1": _niah("essay", n_keys=4),
+    "niah_multikey_1": _niah("essay", keys=4),
     "niah_multikey_2": _niah("needle"),
     "niah_multikey_3": _niah("needle", key="uuids", value="uuids"),
-    "niah_multivalue": _niah("essay", n_values=4),
-    "niah_multiquery": _niah("essay", n_keys=4, n_queries=4),
+    "niah_multivalue": _niah("essay", values=4),
+    "niah_multiquery": _niah("essay", keys=4, queries=4),
     "vt": Subtask("vt", 30, "string_match_all"),
     "cwe": Subtask("cwe", 120, "string_match_all"),
     "fwe": Subtask("fwe", 50, "string_match_all"),
@@ -94,7 +96,9 @@ FWE_PREFIX = " Answer: According to the coded text above, the three most frequen
 
 # ---------------------------------------------------------------- question answering
 
-QA_INSTRUCTION = "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+QA_INSTRUCTION = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+)
 QA_HEAD = f"{QA_INSTRUCTION}\n\nThe following are given documents.\n\n"
 QA_QUESTION = f"{QA_INSTRUCTION}\n\nQuestion: {{question}}"
 QA_DOCUMENT = "Document {number}:\n{text}"
