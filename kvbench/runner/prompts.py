@@ -24,6 +24,12 @@ def render_all(task: Task, examples: list[Example], spec: RunSpec) -> dict[str, 
     protects, is a ``ConfigError`` naming the fix."""
     check_model_support(spec)
     tokenizer, limit = load_tokenizer(**spec.model)
+    asked = task.asked_length()
+    if limit and asked and asked > limit:
+        raise ConfigError(
+            f"task={task.name}: task.context_tokens={asked} is longer than model={spec.model['name']} can hold "
+            f"({limit} tokens); lower task.context_tokens"
+        )
     rendered = {}
     for ex in examples:
         try:

@@ -79,6 +79,11 @@ class Task(ABC):
     def score(self, prediction: str, example: Example) -> dict[str, float]:
         """Metric values for one prediction, higher is better unless the name says otherwise."""
 
+    def asked_length(self) -> int | None:
+        """The prompt + answer length in tokens the task generates its examples to, when it asks for one: checked
+        against the model's limit before any prompt is rendered."""
+        return None
+
     def validate(self) -> None:
         """Cheap checks (files exist, options make sense) run before any model loads."""
         return None

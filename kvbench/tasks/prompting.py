@@ -63,12 +63,19 @@ def truncate_middle(ids: list[int], max_tokens: int | None) -> tuple[list[int], 
 
 
 def render_prompt(
-    tokenizer: Any, context_part: str, question_part: str, *, chat: bool, max_prompt_tokens: int | None
+    tokenizer: Any,
+    context_part: str,
+    question_part: str,
+    *,
+    chat: bool,
+    max_prompt_tokens: int | None,
+    answer_prefix: str = "",
 ) -> RenderedPrompt:
-    """Token ids of ``context_part + question_part`` as one user turn.
+    """Token ids of ``context_part + question_part`` as one user turn, then ``answer_prefix`` as the start of the
+    answer (after the chat template's assistant turn starts, its leading space dropped there).
 
     With a non-empty ``question_part`` the ids are split where it starts: ``suffix_ids`` hold the
-    question and everything after it (the assistant-turn start of the chat template), and
+    question and everything after it (the assistant-turn start of the chat template, the answer prefix), and
     ``input_ids + suffix_ids`` is always exactly the tokenisation of the whole prompt, middle-truncated
     (positions, so the split survives the cut) when longer than ``max_prompt_tokens``.
     """
@@ -81,8 +88,12 @@ def render_prompt(
         split_at = text.rfind(question_part.strip()) if question_part.strip() else len(text)
         if split_at < 0:
             raise TaskError("the chat template changed the question text; cannot split context and question")
+        text += answer_prefix.lstrip()
     else:
         split_at = len(context_part)
+        text += answer_prefix
+    if not question_part:
+        split_at = len(text)
     # Rendered templates carry their own BOS; a plain prompt gets the tokenizer's specials.
     full = tokenizer.encode(text, add_special_tokens=not chat)
     head = tokenizer.encode(text[:split_at], add_special_tokens=not chat) if split_at < len(text) else full

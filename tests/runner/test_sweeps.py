@@ -434,6 +434,11 @@ def test_preset_grids():
         "lcc",
         "repobench-p",
     ]
+    ruler = composed("experiment=ruler", hydra=True)
+    assert ruler.task.name == "ruler" and ruler.model.name == "smollm2-135m" and not ruler.task.question_aware
+    params = ruler.hydra.sweeper.params
+    assert params["task.context_tokens"] == "1024,2048,4096,8192"
+    assert len(set(params["task.subset"].split(","))) == 13  # every RULER subtask
 
 
 def test_launcher_presets(tmp_path, monkeypatch):

@@ -127,6 +127,20 @@ CASES = [
     ),
     (["task=longbench", "task.subset=klingon"], "unknown LongBench subset 'klingon'"),
     (["task=retrieval", "task.needle=haystack"], "task.needle must be 'passkey' or 'kv', not 'haystack'"),
+    (["task=ruler", "task.subset=niah_single_9"], "unknown RULER subset 'niah_single_9'; choose one of"),
+    (["task=ruler", "task.context_tokens=20000"], "task.context_tokens=20000 is longer than model=tiny-llama can hold"),
+    (
+        ["task=ruler", "task.subset=niah_single_2", "task.haystack_dir=/nonexistent/essays"],
+        "task.haystack_dir=/nonexistent/essays is not a folder; point it at a folder of .txt files",
+    ),
+    (
+        ["task=ruler", "task.subset=niah_single_2", f"task.haystack_dir={REFUSED}"],
+        "holds no non-empty .txt file; the essay haystack reads them",
+    ),
+    (
+        ["task=ruler", "task.subset=qa_1", "task.qa_path=/nonexistent/squad.jsonl"],
+        "task.qa_path=/nonexistent/squad.jsonl does not exist; point it at a JSONL file of rajpurkar/squad_v2 rows",
+    ),
     # A task's options are the fields of its dataclass: an unknown one is refused with the list, a value typed.
     (
         ["+task.bogus=1"],
