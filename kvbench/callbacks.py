@@ -31,21 +31,22 @@ from kvbench.results.schema import (
 )
 from kvbench.results.writer import SUMMARY_FILE, failed_cells
 
-# (summary column, heading) of the table; the cell's identity under its own name.
+MIB = 1 << 20
+# (summary column, heading, unit: the column is divided by it) of the table; the cell's identity under its own name.
 COLUMNS = [
-    (POLICY, POLICY),
-    (BUDGET, BUDGET),
-    (STAGE, STAGE),
-    (TASK, TASK),
-    (N_OK, "n"),
-    (N_ERROR, "errors"),
-    (mean_column(SCORE), SCORE),
-    (mean_column(BUDGET_ACHIEVED), "achieved"),
-    (mean_column(BUDGET_ACHIEVED_FULL), "achieved_full"),
-    (mean_column(KV_RESIDENT_BYTES), "kv_bytes"),
-    (mean_column(KV_RESIDENT_BYTES_FULL), "kv_bytes_full"),
-    (mean_column(TTFT_S), TTFT_S),
-    (mean_column(DECODE_TOKENS_PER_S), "decode_tok/s"),
+    (POLICY, POLICY, None),
+    (BUDGET, BUDGET, None),
+    (STAGE, STAGE, None),
+    (TASK, TASK, None),
+    (N_OK, "n", None),
+    (N_ERROR, "errors", None),
+    (mean_column(SCORE), SCORE, None),
+    (mean_column(BUDGET_ACHIEVED), "achieved", None),
+    (mean_column(BUDGET_ACHIEVED_FULL), "achieved_full", None),
+    (mean_column(KV_RESIDENT_BYTES), "KV MiB", MIB),
+    (mean_column(KV_RESIDENT_BYTES_FULL), "KV MiB full layers", MIB),
+    (mean_column(TTFT_S), "TTFT ms", 1e-3),
+    (mean_column(DECODE_TOKENS_PER_S), "decode tok/s", None),
 ]
 # Shown only for hybrid models (sliding and full-attention layers), where they differ from the overall ones.
 HYBRID_ONLY = (mean_column(BUDGET_ACHIEVED_FULL), mean_column(KV_RESIDENT_BYTES_FULL))
@@ -69,15 +70,20 @@ def summary_table(sweep_dir: Path) -> str:
         return f"no finished cells under {sweep_dir}"
     frame = label_cells(pd.DataFrame(records))  # variants of one policy or task named apart
     hybrid = mean_column(KV_RESIDENT_BYTES_SLIDING) in frame.columns
-    keep = [(src, dst) for src, dst in COLUMNS if src in frame.columns and (hybrid or src not in HYBRID_ONLY)]
-    frame = frame[[src for src, _ in keep]].rename(columns=dict(keep))
+    keep = [(src, dst, unit) for src, dst, unit in COLUMNS if src in frame.columns and (hybrid or src not in HYBRID_ONLY)]
+    frame = frame[[src for src, _, _ in keep]]
+    for src, _, unit in keep:
+        if unit is not None:
+            frame[src] = frame[src] / unit
+    frame = frame.rename(columns={src: dst for src, dst, _ in keep})
     metrics = {r.get(PRIMARY_METRIC) for r in records if r.get(PRIMARY_METRIC)}
     if SCORE in frame and len(metrics) == 1:
         frame = frame.rename(columns={SCORE: metrics.pop()})
     frame = frame.sort_values(
         [c for c in (TASK, STAGE, POLICY, BUDGET) if c in frame.columns], key=lambda s: s.astype(str)
     )
-    return frame.to_string(index=False, float_format=lambda v: f"{v:.4g}")
+    table = frame.to_string(index=False, float_format=lambda v: f"{v:.4g}")
+    return f"{table}\n\nFigures and tables with intervals: kvbench-report {sweep_dir} --out {Path(sweep_dir) / 'report'}"
 
 
 def failure_report(sweep_dir: Path, since: float | None = None) -> str:

@@ -221,11 +221,14 @@ def test_summary_table_reads_every_finished_cell(tmp_path):
         cell = tmp_path / policy / str(budget)
         with CellResults(cell) as c:
             identity = replace(CELL, policy=policy, budget=budget)
-            c.write_summary(Summary(identity, "accuracy", 2, 2, 0, {"score": score}))
+            means = {"score": score, "kv_resident_bytes": 3 * 2**20 * budget, "ttft_s": budget}
+            c.write_summary(Summary(identity, "accuracy", 2, 2, 0, means))
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "summary.json").write_text("{")  # half-written by hand: skipped
     table = summary_table(tmp_path)
     lines = table.splitlines()
-    assert "accuracy" in lines[0] and len(lines) == 3
+    assert "accuracy" in lines[0] and "KV MiB" in lines[0] and "TTFT ms" in lines[0]
     assert lines[1].split()[0] == "random" and lines[2].split()[0] == "window"
+    assert lines[1].split()[-2:] == ["0.75", "250"] and lines[2].split()[-2:] == ["1.5", "500"]  # MiB, ms
+    assert lines[-1] == f"Figures and tables with intervals: kvbench-report {tmp_path} --out {tmp_path / 'report'}"
     assert summary_table(tmp_path / "empty").startswith("no finished cells")
