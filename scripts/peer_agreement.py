@@ -98,7 +98,7 @@ METHODS: dict[str, Method] = {
         "CriticalKVPress",
         "criticalkv",
         {"epsilon": 1e-4, "first_stage_ratio": 0.5},
-        {"score.base.window": 64},
+        {"score.base.window": 64, "score.epsilon": 0.0064},  # kvpress's ε on SnapKV's mean: 64 × it on the sum
         inner="SnapKVPress",
         inner_kwargs=SNAPKV,
     ),
@@ -106,7 +106,7 @@ METHODS: dict[str, Method] = {
         "CriticalAdaKVPress",
         "criticalkv_adakv",
         {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5},
-        {"score.base.window": 64},
+        {"score.base.window": 64, "score.epsilon": 0.0064},
         inner="SnapKVPress",
         inner_kwargs=SNAPKV,
     ),
