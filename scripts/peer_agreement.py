@@ -81,6 +81,7 @@ METHODS: dict[str, Method] = {
     "pyramidkv": Method(
         "PyramidKVPress", "pyramidkv", {**SNAPKV, "beta": 20}, {"score.window": 64, "allocation.beta": 20}
     ),
+    "pyramidkv_kvpress": Method("PyramidKVPress", "pyramidkv_kvpress", {**SNAPKV, "beta": 20}),
     "adakv": Method(
         "AdaKVPress",
         "adakv",
@@ -93,6 +94,9 @@ METHODS: dict[str, Method] = {
     "keydiff": Method("KeyDiffPress", "keydiff"),
     "lagkv": Method("LagKVPress", "lagkv", {"n_sink": 4, "lag_size": 128, "cross_scoring": False}),
     "chunkkv": Method("ChunkKVPress", "chunkkv", {"chunk_length": 20}, inner="SnapKVPress", inner_kwargs=SNAPKV),
+    "chunkkv_kvpress": Method(
+        "ChunkKVPress", "chunkkv_kvpress", {"chunk_length": 20}, inner="SnapKVPress", inner_kwargs=SNAPKV
+    ),
     "expected_attention": Method("ExpectedAttentionPress", "expected_attention"),
     "criticalkv": Method(
         "CriticalKVPress",
