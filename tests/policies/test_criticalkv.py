@@ -175,8 +175,9 @@ def test_first_stage_min_changes_what_is_kept() -> None:
     for seed in range(6):
         view, _, _ = skewed_view(seed)
         kept = [
-            Policy("c", CriticalKV("accumulated", RATIO, EPS, first_stage_min=m), All(), allocation=Adaptive(floor))
-            .keep_mask(view, budget)
+            Policy(
+                "c", CriticalKV("accumulated", RATIO, EPS, first_stage_min=m), All(), allocation=Adaptive(floor)
+            ).keep_mask(view, budget)
             for m in (0.0, floor)
         ]
         differ += int(not torch.equal(*kept))
