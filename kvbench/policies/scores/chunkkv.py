@@ -40,18 +40,21 @@ class ChunkKV(ScoreWrapper):
     def __call__(self, state: TokenState) -> torch.Tensor:
         scores = self.inner(state).to(torch.float32)
         valid = state.valid_mask()
+        outside = state.outside_window()  # a sliding layer's entries its next query cannot see: in no chunk
+        if outside is not None:
+            valid = valid & ~outside
         slots = int(state.positions.max()) // self.chunk + 1  # one more: padding
         chunk = torch.where(valid, state.positions // self.chunk, slots)
         total = torch.zeros(scores.shape[0], slots + 1, device=scores.device)
         counts = torch.zeros_like(total).scatter_add_(1, chunk, valid.to(torch.float32))
         mean = total.scatter_add_(1, chunk, scores.masked_fill(~valid, 0.0)) / counts.clamp_min(1)
-        mean[:, slots] = float("-inf")
+        mean = mean.masked_fill(counts == 0, float("-inf"))  # chunks holding nothing (and the padding slot) last
         rank = places(torch.sort(-mean, dim=-1, stable=True).indices)  # 0: the best chunk (ties: the earlier)
         order = lexicographic(rank.gather(1, chunk), -scores.masked_fill(~valid, float("inf")))
         place = -places(order).to(torch.float32)
         if not self.whole_chunks or state.budget is None:
             return place
         held = counts[:, :slots].gt(0).sum(dim=1)  # chunks holding an entry, per row
-        kept = (held * state.budget).div(state.lengths().clamp_min(1), rounding_mode="floor").clamp(1, None)
+        kept = (held * state.budget).div(valid.sum(dim=1).clamp_min(1), rounding_mode="floor").clamp(1, None)
         chosen = rank.gather(1, chunk) < kept.unsqueeze(1)
         return torch.where(chosen, place + state.length + 1, place - 1)  # the chosen above 0, the order kept

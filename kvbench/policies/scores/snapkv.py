@@ -70,7 +70,8 @@ class SnapKV(Score):
         if self.window_score == "own":
             return pooled
         prefix = pooled.masked_fill(window | ~state.valid_mask(), float("-inf"))
-        best = state.per_unit(prefix).flatten(1).amax(dim=1) + self.window  # per (layer, sequence)
+        best = state.per_unit(prefix).flatten(1).amax(dim=1)  # per (layer, sequence)
+        best = best.nan_to_num(neginf=0.0) + self.window  # no prefix (a short row): the window alone
         top = best.repeat_interleave(state.heads // state.units).unsqueeze(1).expand_as(pooled)
         return torch.where(window, top, pooled)
 
