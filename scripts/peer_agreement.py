@@ -81,6 +81,7 @@ METHODS: dict[str, Method] = {
     "pyramidkv": Method(
         "PyramidKVPress", "pyramidkv", {**SNAPKV, "beta": 20}, {"score.window": 64, "allocation.beta": 20}
     ),
+    "pyramidkv_kvpress": Method("PyramidKVPress", "pyramidkv_kvpress", {**SNAPKV, "beta": 20}),
     "adakv": Method(
         "AdaKVPress",
         "adakv",
@@ -93,12 +94,15 @@ METHODS: dict[str, Method] = {
     "keydiff": Method("KeyDiffPress", "keydiff"),
     "lagkv": Method("LagKVPress", "lagkv", {"n_sink": 4, "lag_size": 128, "cross_scoring": False}),
     "chunkkv": Method("ChunkKVPress", "chunkkv", {"chunk_length": 20}, inner="SnapKVPress", inner_kwargs=SNAPKV),
+    "chunkkv_kvpress": Method(
+        "ChunkKVPress", "chunkkv_kvpress", {"chunk_length": 20}, inner="SnapKVPress", inner_kwargs=SNAPKV
+    ),
     "expected_attention": Method("ExpectedAttentionPress", "expected_attention"),
     "criticalkv": Method(
         "CriticalKVPress",
         "criticalkv",
         {"epsilon": 1e-4, "first_stage_ratio": 0.5},
-        {"score.base.window": 64},
+        {"score.base.window": 64, "score.epsilon": 0.0064},  # kvpress's ε on SnapKV's mean: 64 × it on the sum
         inner="SnapKVPress",
         inner_kwargs=SNAPKV,
     ),
@@ -106,7 +110,7 @@ METHODS: dict[str, Method] = {
         "CriticalAdaKVPress",
         "criticalkv_adakv",
         {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5},
-        {"score.base.window": 64},
+        {"score.base.window": 64, "score.epsilon": 0.0064},
         inner="SnapKVPress",
         inner_kwargs=SNAPKV,
     ),

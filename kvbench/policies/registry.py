@@ -160,7 +160,7 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     score = build_score(score_spec)
     scope = _part(SCOPES, cfg.get("scope", "all"))
     allocation = _part(ALLOCATIONS, cfg.get("allocation") or "uniform")
-    if allocation.per_head and score.shares_heads:
+    if allocation.per_head and not allocation.thresholded and score.shares_heads:
         raise ValueError(
             "score.shared=true (on the score or its base) keeps one set per layer; it cannot combine with "
             "allocation=adaptive"

@@ -140,3 +140,63 @@ def test_bad_options_are_refused_and_stages_follow_the_base() -> None:
         build_policy({"name": "c", "score": {"kind": "chunkkv", "base": "nope"}})
     free = build_policy({"name": "c", "score": {"kind": "chunkkv", "base": "key_norm"}})
     assert free.unsupported_stages == ()
+
+
+def kvpress_snapkv(attention: np.ndarray, window: int, kernel: int) -> np.ndarray:
+    """kvpress's SnapKVPress scores from the window's attention [heads, window, n] (one query head per KV head):
+    the prefix's mean over the window's queries, avg-pooled (zero padding counted), the window's entries at the
+    best prefix score over every head plus 1."""
+    mean = attention[:, :, :-window].mean(axis=1)
+    padded = np.pad(mean, ((0, 0), (kernel // 2, kernel // 2)))
+    pooled = np.stack([padded[:, i : i + mean.shape[1]] for i in range(kernel)]).mean(axis=0)
+    return np.concatenate([pooled, np.full((len(mean), window), pooled.max() + 1.0)], axis=1)
+
+
+KVPRESS_CHUNKS = {
+    "kind": "chunkkv",
+    "chunk": 5,
+    "whole_chunks": True,
+    "base": {"kind": "snapkv", "window": 6, "kernel_size": 3, "shared": True, "window_score": "top"},
+}
+
+
+@pytest.mark.parametrize("budget", [4, 10, 23, 33, 40])
+@pytest.mark.parametrize("seed", range(3))
+def test_whole_chunks_over_kvpress_snapkv_keep_kvpress_chunks(budget: int, seed: int) -> None:
+    """chunkkv_kvpress's rule (whole chunks, SnapKV's window scored as kvpress's) against NumPy of
+    ChunkKVPress(SnapKVPress()): 47 entries in 9 chunks of 5 and one of 2, kvpress's max(1, ⌊10 × (1 - ratio)⌋)
+    chunks by the mean over the chunk of the scores summed over heads, at the ratio whose kept share is kvbench's
+    budget (47 × (1 - ratio) whole: kvbench's ⌊chunks × budget / n⌋ is then kvpress's count)."""
+    ratio = 1 - budget / 47
+    heads, n, window = 3, 47, 6
+    g = torch.Generator().manual_seed(seed)
+    attention = torch.rand(heads, window, n, generator=g) ** 4  # peaked, so the chunks' means differ
+    count = (n - torch.arange(n, dtype=torch.float32)).expand(heads, n)
+    view = TokenState(positions=torch.arange(n).expand(heads, n), stats={"qlog": attention, "count": count})
+    policy = build_policy(
+        {"name": "c", "score": KVPRESS_CHUNKS, "allocation": {"kind": "threshold", "threshold": 0, "window": 0}}
+    )
+    scores = kvpress_snapkv(attention.double().numpy(), window, 3).sum(axis=0)
+    expected = kvpress_kept(scores, 5, max(1, int(10 * (1 - ratio))))
+    assert len(expected) <= budget
+    assert kept(policy, view, budget) == [expected] * heads
+
+
+def test_kvpress_window_score_is_the_best_prefix_score_plus_one_query() -> None:
+    heads, n, window = 2, 20, 4
+    attention = torch.rand(heads, window, n, generator=torch.Generator().manual_seed(5))
+    count = (n - torch.arange(n, dtype=torch.float32)).expand(heads, n)
+    view = TokenState(positions=torch.arange(n).expand(heads, n), stats={"qlog": attention, "count": count})
+    got = SnapKV(window=window, kernel_size=3, window_score="top")(view).double().numpy() / window
+    np.testing.assert_allclose(got, kvpress_snapkv(attention.double().numpy(), window, 3), rtol=1e-6)
+    with pytest.raises(ValueError, match="window_score"):
+        SnapKV(window_score="max")
+
+
+def test_the_kvpress_config_keeps_whole_chunks_through_the_engine(tiny, random_ids) -> None:
+    policy = build_policy(tiny_policy_cfg("chunkkv_kvpress", score={"chunk": 5, "base": {"window": 4}}))
+    g = generate(tiny.model, None, random_ids(47, seed=3), policy, 23, "prefill", DecodeSettings(1), trace=True)
+    for layer in g.trace[0]:
+        chunks = set((layer[0] // 5).tolist())
+        assert all(torch.equal(head, layer[0]) for head in layer)
+        assert len(chunks) == 4 and len(layer[0]) == sum(min(5, 47 - 5 * c) for c in chunks)  # ⌊10 × 23 / 47⌋

@@ -125,6 +125,65 @@ def test_adakv_budgets_come_from_the_base_score_and_the_stages_run_inside(length
     assert not bool((keep & ~view.valid_mask()).any())
 
 
+def kvpress_critical_adakv(bases: list[np.ndarray], norms: list[np.ndarray], budget: int, alpha: float) -> list[set]:
+    """kvpress's CriticalAdaKVPress, one layer of equal-length heads: each head's max(1, ⌊α × B⌋) best by the base
+    score (the safeguard) lifted to the top; heads × B slots to the highest lifted scores across heads; each head's
+    first stage its ⌊ratio × B_h⌋ best of the lifted scores (the safeguard stays lifted); its B_h kept by
+    (base + ε) × norm with the lifted entries at the top."""
+    safe = max(1, math.floor(alpha * budget))
+    lifted = [b.copy() for b in bases]
+    for row in lifted:
+        row[list(top(row, safe))] = np.inf
+    flat = np.concatenate(lifted)
+    n = len(bases[0])
+    chosen = np.argsort(-flat, kind="stable")[: len(bases) * budget]
+    head_budgets = [int(np.sum(chosen // n == h)) for h in range(len(bases))]
+    kept = []
+    for row, base, norm, b in zip(lifted, bases, norms, head_budgets, strict=True):
+        first = top(row, math.floor(RATIO * b)) | set(np.flatnonzero(np.isinf(row)).tolist())
+        weighted = (base + EPS) * norm
+        weighted[list(first)] = np.inf
+        kept.append(top(weighted, b))
+    return kept
+
+
+def skewed_view(seed: int) -> tuple[TokenState, np.ndarray, int]:
+    """Four heads whose base scores differ in scale: Ada-KV gives the low ones little more than their safeguard,
+    where the first stage's ⌊ratio × B_h⌋ falls short of it."""
+    view, w_o, group = hand_view([14, 14, 14, 14], 2, seed=100 + seed)
+    view.stats["acc"] = view.stats["acc"] * torch.tensor([[0.05], [0.3], [1.0], [3.0]])
+    return view, w_o, group
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_stage_min_holds_adakvs_safeguard_as_kvpress(seed) -> None:
+    """``first_stage_min`` = the allocation's floor: the first stage keeps each head's safeguard, as kvpress's
+    CriticalAdaKVPress (its safeguard is lifted above the first stage's ranking)."""
+    floor, budget, lengths = 0.4, 8, [14, 14, 14, 14]
+    view, w_o, group = skewed_view(seed)
+    score = CriticalKV("accumulated", RATIO, EPS, first_stage_min=floor)
+    keep = Policy("c", score, All(), allocation=Adaptive(floor=floor)).keep_mask(view, budget)
+    bases = [view.stats["acc"][h].double().numpy() for h in range(len(lengths))]
+    norms = [numpy_norm(view.values[h].double().numpy(), w_o, h, group) for h in range(len(lengths))]
+    expected = kvpress_critical_adakv(bases, norms, budget, floor)
+    assert [set(keep[h].nonzero().flatten().tolist()) for h in range(len(lengths))] == expected
+
+
+def test_first_stage_min_changes_what_is_kept() -> None:
+    """The test above has teeth: without the safeguard in the first stage some head keeps another set."""
+    floor, budget, differ = 0.4, 8, 0
+    for seed in range(6):
+        view, _, _ = skewed_view(seed)
+        kept = [
+            Policy(
+                "c", CriticalKV("accumulated", RATIO, EPS, first_stage_min=m), All(), allocation=Adaptive(floor)
+            ).keep_mask(view, budget)
+            for m in (0.0, floor)
+        ]
+        differ += int(not torch.equal(*kept))
+    assert differ >= 2
+
+
 class Checked(CriticalKV):
     """CriticalKV, each eviction checked against NumPy: the entries it makes the policy keep, per row, are the two
     stages' choice from the view's base statistic and the model's own W_o."""
@@ -181,6 +240,8 @@ def test_named_configs_and_refusals() -> None:
         CriticalKV(base="criticalkv")
     with pytest.raises(ValueError, match="epsilon"):
         CriticalKV(epsilon=-1.0)
+    with pytest.raises(ValueError, match="first_stage_min"):
+        CriticalKV(first_stage_min=2.0)
     decode_ready = build_policy({"name": "c", "score": {"kind": "criticalkv", "base": "accumulated"}})
     assert decode_ready.unsupported_stages == () and decode_ready.needs == {"acc"}
 

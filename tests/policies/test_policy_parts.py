@@ -288,6 +288,37 @@ def test_pyramid_budgets_by_hand():
     assert Allocation().layer_budgets(7, 3) == [7, 7, 7]
 
 
+def kvpress_layer_budget(q_len: int, share: float, window: int, beta: float, layer: int, layers: int) -> int:
+    """kvpress's PyramidKVPress.get_layer_budget, from its docstring's equations, for the kept share
+    q_len × (1 - compression_ratio): max + min = 2 × share, min = share / beta, max clipped at q_len - window;
+    outside q_len >= max >= min >= window, the share rounded."""
+    low = share / beta
+    high = 2 * share - low
+    if high >= q_len - window:
+        high = q_len - window
+        low = 2 * share - high
+    if not q_len >= high >= low >= window:
+        return max(1, round(share))
+    return round(high - layer * (high - low) / (layers - 1))
+
+
+@pytest.mark.parametrize(
+    ("q_len", "ratio", "layers"),
+    [(1000, 0.5, 30), (1000, 0.2, 30), (1049, 0.5, 30), (1000, 0.95, 30), (600, 0.4, 12), (2048, 0.1, 7)],
+)
+def test_pyramid_kvpress_ramp_is_kvpress_budgets(q_len, ratio, layers):
+    """kvpress's budgets at the kept share kvbench's whole-token budget is: kvpress's own wherever
+    q_len × (1 - ratio) is whole. 1049 × 0.5 is not: kvpress ramps 524.5 (its top layer 64, the window, after
+    clipping) where kvbench's 524 leaves the top layer 63, below the window, and both fall back to uniform."""
+    window, beta = 64, 20
+    budget = int(q_len * (1 - ratio))
+    got = Pyramid(beta=beta, ramp="kvpress").layer_budgets(budget, layers, q_len, window)
+    assert got == [kvpress_layer_budget(q_len, budget, window, beta, i, layers) for i in range(layers)]
+    assert len(set(got)) > 1 or ratio == 0.95 or q_len == 1049  # a ramp, unless kvpress's does not fit
+    with pytest.raises(ValueError, match="ramp"):
+        Pyramid(ramp="linear")
+
+
 def test_adaptive_split_by_hand():
     scores = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5], [0.1, 0.05, 0.3, 0.02, 0.01]])
     # Budget 3 per head, total 6. floor 0.34 -> one guaranteed per head (its best); the 4 other slots go to

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -30,11 +31,22 @@ class CriticalKV(ScoreWrapper):
     (``TokenState.kept_by``): under Ada-KV's head-adaptive split (``criticalkv_adakv``) a head's budget comes
     from the base score, as kvpress's CriticalAdaKVPress does, and the second stage re-ranks inside it.
     kvpress's first-stage count is int(kept × ratio) of the unrounded kept share; kvbench's of the kept count.
+
+    ``first_stage_min`` (a share of the policy's per-head budget, 0 by default): the first stage takes at least
+    ⌊share × budget⌋ entries (at least one when the share is positive) in every row. kvpress's CriticalAdaKVPress
+    lifts Ada-KV's safeguard (each head's ⌊α × kept⌋ best) above the first stage's ranking, so its first stage
+    holds the safeguard as well; configs/policy/criticalkv_adakv.yaml sets it to the allocation's floor.
     """
 
     label = "CriticalKV"
 
-    def __init__(self, base: str | dict = "snapkv", first_stage_ratio: float = 0.5, epsilon: float = 1e-4):
+    def __init__(
+        self,
+        base: str | dict = "snapkv",
+        first_stage_ratio: float = 0.5,
+        epsilon: float = 1e-4,
+        first_stage_min: float = 0.0,
+    ):
         from kvbench.policies.registry import build_score
 
         kind = base if isinstance(base, str) else base.get("kind")
@@ -44,9 +56,12 @@ class CriticalKV(ScoreWrapper):
             raise ValueError(f"first_stage_ratio={first_stage_ratio} must be a share of the budget in [0, 1]")
         if float(epsilon) < 0:
             raise ValueError(f"epsilon={epsilon} must be >= 0")
+        if not 0.0 <= float(first_stage_min) <= 1.0:
+            raise ValueError(f"first_stage_min={first_stage_min} must be a share of the budget in [0, 1]")
         super().__init__(build_score(base))
         self.first_stage_ratio = float(first_stage_ratio)
         self.epsilon = float(epsilon)
+        self.first_stage_min = float(first_stage_min)
         self.weights = self.weights | {"output_projection"}
         self.feature_names = self.feature_names | {FEATURE}
 
@@ -60,7 +75,10 @@ class CriticalKV(ScoreWrapper):
         budgets = view.kept_by(base).sum(dim=1)  # each row's share of the budget, from the base score
         first = (budgets * self.first_stage_ratio).floor().long()
         if self.first_stage_ratio > 0:
-            first = torch.minimum(first.clamp_min(1), budgets)
+            first = first.clamp_min(1)
+        if self.first_stage_min > 0:
+            first = first.clamp_min(max(1, math.floor(self.first_stage_min * (view.budget or 0) + 1e-9)))
+        first = torch.minimum(first, budgets)
         weighted = (base + self.epsilon) * view.stats[FEATURE]
         weighted = weighted.masked_fill(extreme(view.ranked(base), first, largest=True), float("inf"))
         return weighted.masked_fill(extreme(view.ranked(weighted), budgets, largest=True), float("inf"))

@@ -27,23 +27,31 @@ class SnapKV(Score):
     attention. SnapKV always keeps them; here the scope protects them (configs/policy/snapkv.yaml), so their
     scores only matter under a scope that does not. Padding entries (per-head allocation, padded stacks) hold
     zero statistics and pool with the prefix, as zeros, as before. Needs a prompt: refused in stage=decode.
+
+    ``window_score: top`` scores the window's entries as kvpress's SnapKVPress does, for a score built on this
+    one that ranks them with the rest (kvpress's ChunkKV): above every prefix entry, at the prefix's best score
+    over the layer's heads plus one query's full attention (kvpress's mean over the window's queries, plus 1,
+    on this sum: the best plus ``window``). ``own`` (the default): their own summed attention.
     """
 
     needs = frozenset({"qlog", "count"})
     unsupported_stages = ("decode",)
     why_unsupported = "SnapKV scores the prompt from its observation window and compresses the prompt only"
 
-    def __init__(self, window: int = 32, kernel_size: int = 7, pooling: str = "avg"):
+    def __init__(self, window: int = 32, kernel_size: int = 7, pooling: str = "avg", window_score: str = "own"):
         if int(window) < 1:
             raise ValueError(f"window={window} must be >= 1 query")
         if int(kernel_size) < 1 or int(kernel_size) % 2 == 0:
             raise ValueError(f"kernel_size={kernel_size} must be a positive odd number")
         if pooling not in ("avg", "max"):
             raise ValueError(f"pooling={pooling!r} must be 'avg' or 'max'")
+        if window_score not in ("own", "top"):
+            raise ValueError(f"window_score={window_score!r} must be 'own' or 'top'")
         self.history = int(window)
         self.window = int(window)
         self.kernel_size = int(kernel_size)
         self.pooling = pooling
+        self.window_score = window_score
 
     def in_window(self, state: TokenState) -> torch.Tensor:
         """Bool [H, n]: the entries of the last ``window`` tokens fed (never padding). A state without ``count``
@@ -57,10 +65,15 @@ class SnapKV(Score):
         return window if state.valid is None else window & state.valid
 
     def __call__(self, state: TokenState) -> torch.Tensor:
-        summed = logged_sum(state)
-        if self.kernel_size == 1:
-            return summed
-        return pool_neighbours(summed, self.kernel_size, self.pooling, self.in_window(state))
+        window = self.in_window(state)
+        pooled = pool_neighbours(logged_sum(state), self.kernel_size, self.pooling, window)
+        if self.window_score == "own":
+            return pooled
+        prefix = pooled.masked_fill(window | ~state.valid_mask(), float("-inf"))
+        best = state.per_unit(prefix).flatten(1).amax(dim=1)  # per (layer, sequence)
+        best = best.nan_to_num(neginf=0.0) + self.window  # no prefix (a short row): the window alone
+        top = best.repeat_interleave(state.heads // state.units).unsqueeze(1).expand_as(pooled)
+        return torch.where(window, top, pooled)
 
 
 def pool_neighbours(
