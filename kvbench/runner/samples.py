@@ -9,6 +9,7 @@ samples of the same prompt as if they were independent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvbench.engine.engine import Generation
 from kvbench.metrics.pass_at_k import PASS_AT_1, PASS_AT_K, pass_at_k
@@ -58,7 +59,7 @@ def combine(task: Task, prompt: RenderedPrompt, references: list[str], samples: 
     full_mean = None if any(f is None for f in full) else sum(f for f in full if f is not None) / n
     if n == 1:
         full_mean = full[0]
-    fields = {
+    fields: dict[str, Any] = {
         "prediction": first.prediction,
         "references": references,
         "fidelity_reference": first.reference,
