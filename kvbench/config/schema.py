@@ -140,11 +140,16 @@ class TaskConfig:
     fidelity: bool = setting(False, expect="true or false (also score against the full cache's output)")
 
 
+SAMPLES = "a positive integer (samples drawn per prompt)"
+
+
 @dataclass
 class SamplingConfig:
     do_sample: bool = setting(False, expect="true or false")
     temperature: float = setting(1.0, expect="a number")
     top_p: float = setting(1.0, expect="a number")
+    # Samples drawn per prompt, seeded seed, seed + 1, ...; above 1 the rows report pass@1 and pass@k.
+    n_samples: int = setting(1, expect=SAMPLES, check=at_least(1, SAMPLES))
 
 
 @dataclass

@@ -35,12 +35,17 @@ class RunSpec:
         subset = self.task_cfg.get("subset")
         return f"{self.task_cfg['name']}/{subset}" if subset else self.task_cfg["name"]
 
-    def decode_settings(self, task_max_new_tokens: int, stop_strings: list[str]) -> DecodeSettings:
+    @property
+    def n_samples(self) -> int:
+        return int(self.sampling.get("n_samples", 1))
+
+    def decode_settings(self, task_max_new_tokens: int, stop_strings: list[str], sample: int = 0) -> DecodeSettings:
+        """The decoder's settings; sample ``j`` of a prompt is seeded ``seed + j`` (sample 0: the run's seed)."""
         return DecodeSettings(
             max_new_tokens=self.max_new_tokens or task_max_new_tokens,
             do_sample=bool(self.sampling.get("do_sample", False)),
             temperature=float(self.sampling.get("temperature", 1.0)),
             top_p=float(self.sampling.get("top_p", 1.0)),
-            seed=self.seed,
+            seed=self.seed + sample,
             stop_strings=list(stop_strings),
         )

@@ -55,6 +55,11 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
             f"task={task_data.get('name')} {task.protocol.alone}, so batch_size={run.batch_size} would label one "
             "sequence's timings as a batch's; use batch_size=1"
         )
+    if run.sampling.n_samples > 1 and not task.protocol.samples:
+        raise ConfigError(
+            f"task={task_data.get('name')} teacher-forces its text instead of generating, so "
+            f"sampling.n_samples={run.sampling.n_samples} has nothing to sample; use sampling.n_samples=1"
+        )
     tracking = plain(run.tracking)
     _check_tracking(tracking)
     return RunSpec(
@@ -110,6 +115,11 @@ def _plain_config(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
 
 def _check_sampling(sampling: SamplingConfig) -> None:
     if not sampling.do_sample:
+        if sampling.n_samples > 1:
+            raise ConfigError(
+                f"sampling.n_samples={sampling.n_samples} needs sampling.do_sample=true: greedy decoding would draw "
+                "the same text every time"
+            )
         return
     if sampling.temperature <= 0:
         raise ConfigError(

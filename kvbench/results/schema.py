@@ -100,6 +100,19 @@ class Outcome:
     fidelity_reference: str | None = None  # file name of the full cache's reference (under .references)
     fidelity_reference_tokens: int | None = None  # tokens of that reference
     scored_tokens: int | None = None  # perplexity: tokens teacher-forced and scored
+    # Generation lengths beside the full cache's (docs/results.md). The full cache's come from its reference for
+    # the same prompt and seeds (runner/fidelity): None where the run has none (fidelity off and none stored).
+    new_tokens_mean: float | None = None  # tokens generated, mean over the samples (one sample: new_tokens)
+    full_new_tokens: float | None = None  # tokens the full cache generated, mean over the samples
+    kept_of_full: float | None = None  # budget_tokens / (prompt_tokens + full_new_tokens); None without a budget
+    # sampling.n_samples > 1: score and metrics are means over the samples (plus metric.pass@1, metric.pass@k with
+    # k = n_samples); prediction and the engine's measures are sample 0's; the lists hold every sample, in seed
+    # order (seed, seed + 1, ...). None with one sample.
+    n_samples: int = 1  # samples drawn for the prompt
+    sample_predictions: list[str] | None = None  # each sample's post-processed text
+    sample_scores: list[float | None] | None = None  # each sample's primary metric
+    sample_new_tokens: list[int] | None = None  # each sample's generated tokens
+    sample_full_new_tokens: list[int | None] | None = None  # the full cache's tokens for each sample's seed
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """A cell's examples -> their outcomes, by the protocol their task declares: ``generate`` runs them under the
-run's policy, ``batch_size`` sequences decoded together (1: one at a time), and scores each text as soon as it is
-done (with fidelity to the full cache when asked for); a protocol whose examples run alone (``likelihood``:
+run's policy, ``batch_size`` sequences decoded together (1: one at a time), each prompt ``sampling.n_samples``
+times (seeded apart, made one row by :mod:`kvbench.runner.samples`), and scores each example as soon as its
+samples are done (with fidelity to the full cache when asked for); a protocol whose examples run alone (``likelihood``:
 teacher-force each text, :mod:`kvbench.runner.perplexity`) has its runner in ``ALONE``. A failure becomes the
 ``Failure`` of the examples it took down; the others go on."""
 
@@ -17,16 +18,22 @@ from kvbench.engine.engine import DecodeSettings, Generation, Request
 from kvbench.models import LoadedModel
 from kvbench.results.schema import Failure, Outcome
 from kvbench.runner import perplexity
-from kvbench.runner.fidelity.references import generation_agreement, generation_reference, wants_fidelity
+from kvbench.runner.fidelity.references import (
+    generation_agreement,
+    generation_reference,
+    stored_generation_reference,
+    wants_fidelity,
+)
 from kvbench.runner.fidelity.store import ReferenceStore
-from kvbench.runner.passes import example_settings, outcome, policy_pass, run_engine
+from kvbench.runner.passes import example_settings, policy_pass, run_engine
+from kvbench.runner.samples import Sample, combine
 from kvbench.tasks.base import Example, RenderedPrompt, Task
 from kvbench.tasks.protocol import GENERATE, LIKELIHOOD
 
 log = logging.getLogger("kvbench")
 
 
-def generation_outcome(
+def score_sample(
     lm: LoadedModel,
     task: Task,
     spec: RunSpec,
@@ -35,28 +42,35 @@ def generation_outcome(
     g: Generation,
     decode: DecodeSettings,
     store: ReferenceStore,
-) -> Outcome:
-    """A generation scored by the task, with fidelity to the full cache when asked for: the full cache's output
-    (computed once per prompt and settings) teacher-forced through the run's policy, its passes run alone."""
+) -> Sample:
+    """One generation scored by the task, with fidelity to the full cache when asked for: the full cache's output
+    (computed once per prompt and settings) teacher-forced through the run's policy, its passes run alone. The
+    full cache's length comes from that reference, or from one a run already stored; otherwise it is unknown."""
     prediction = task.postprocess(g.text, ex)
     metrics = task.score(prediction, ex)
-    reference, reference_tokens = None, None
-    if wants_fidelity(task, spec):
-        ref, reference = generation_reference(lm, spec, ex.id, prompt, decode, store)
-        forced = policy_pass(lm, spec, prompt, decode, ref.tokens)
-        assert forced.logits is not None  # asked for
-        metrics.update(generation_agreement(ref, forced.logits, prediction, task.postprocess(ref.text, ex)))
-        reference_tokens = len(ref.tokens)
-    return outcome(
-        task,
-        metrics,
-        g,
-        prompt,
-        prediction=prediction,
-        references=ex.references,
-        fidelity_reference=reference,
-        fidelity_reference_tokens=reference_tokens,
-    )
+    if not wants_fidelity(task, spec):
+        stored = stored_generation_reference(lm, spec, ex.id, prompt, decode, store)
+        return Sample(g, prediction, metrics, None if stored is None else len(stored.tokens))
+    ref, name = generation_reference(lm, spec, ex.id, prompt, decode, store)
+    forced = policy_pass(lm, spec, prompt, decode, ref.tokens)
+    assert forced.logits is not None  # asked for
+    metrics.update(generation_agreement(ref, forced.logits, prediction, task.postprocess(ref.text, ex)))
+    return Sample(g, prediction, metrics, len(ref.tokens), name)
+
+
+def generation_outcome(
+    lm: LoadedModel,
+    task: Task,
+    spec: RunSpec,
+    ex: Example,
+    prompt: RenderedPrompt,
+    generations: list[Generation],
+    decodes: list[DecodeSettings],
+    store: ReferenceStore,
+) -> Outcome:
+    """An example's row from its samples' generations (one unless ``sampling.n_samples`` > 1), in seed order."""
+    samples = [score_sample(lm, task, spec, ex, prompt, g, d, store) for g, d in zip(generations, decodes)]
+    return combine(task, prompt, ex.references, samples)
 
 
 def failure(err: BaseException) -> Failure:
@@ -87,16 +101,32 @@ def example_outcomes(
                 yield ex, failure(err)
         return
     engine = run_engine(lm, spec, spec.batch_size)
-    settings = [example_settings(task, spec, ex) for ex in todo]
-    requests = [Request(rendered[ex.id].input_ids, rendered[ex.id].suffix_ids, s) for ex, s in zip(todo, settings)]
+    n = spec.n_samples  # request i is sample i % n of example i // n
+    settings = [example_settings(task, spec, ex, j) for ex in todo for j in range(n)]
+    prompts = [rendered[todo[i // n].id] for i in range(len(settings))]
+    requests = [Request(p.input_ids, p.suffix_ids, s) for p, s in zip(prompts, settings)]
+    pending: dict[int, dict[int, Generation | Exception]] = {}
     for finished in engine.steps(requests):
         for i, result in finished:
-            ex = todo[i]
-            if isinstance(result, Exception):
-                yield ex, failure(result)
+            k = i // n
+            samples = pending.setdefault(k, {})
+            samples[i % n] = result
+            if len(samples) < n:
                 continue
+            del pending[k]
+            ex, results = todo[k], [samples[j] for j in range(n)]
+            failed = next((r for r in results if isinstance(r, Exception)), None)
+            if failed is not None:
+                yield ex, failure(failed)
+                continue
+            generations = [r for r in results if isinstance(r, Generation)]
             try:
-                yield ex, generation_outcome(lm, task, spec, ex, rendered[ex.id], result, settings[i], references)
+                yield (
+                    ex,
+                    generation_outcome(
+                        lm, task, spec, ex, rendered[ex.id], generations, settings[k * n : (k + 1) * n], references
+                    ),
+                )
             except Exception as err:  # one failing example must not end the sweep
                 yield ex, failure(err)
 

@@ -13,10 +13,11 @@ from kvbench.stages import Stage
 from kvbench.tasks.base import Example, RenderedPrompt, Task
 
 
-def example_settings(task: Task, spec: RunSpec, ex: Example) -> DecodeSettings:
-    """The task's settings for the example, with the run's overrides (max_new_tokens, sampling, seed)."""
+def example_settings(task: Task, spec: RunSpec, ex: Example, sample: int = 0) -> DecodeSettings:
+    """The task's settings for the example, with the run's overrides (max_new_tokens, sampling, seed); ``sample``:
+    which of the prompt's ``sampling.n_samples`` samples (its seed is the run's plus ``sample``)."""
     settings = task.generation(ex)
-    return spec.decode_settings(settings.max_new_tokens, settings.stop_strings)
+    return spec.decode_settings(settings.max_new_tokens, settings.stop_strings, sample)
 
 
 def run_engine(lm: LoadedModel, spec: RunSpec, batch_size: int = 1, return_logits: bool = False) -> Engine:

@@ -45,12 +45,14 @@ class SharedContextPrompt(RenderedPrompt):
 @dataclass(frozen=True)
 class Protocol:
     """One way to run an example: its name, the prompt ``render`` returns, and whether examples may share a batch
-    (``batch_size`` > 1); ``alone`` says why not, in the words of the refusal."""
+    (``batch_size`` > 1); ``alone`` says why not, in the words of the refusal; ``samples``: whether it generates,
+    so that ``sampling.n_samples`` can draw several texts."""
 
     name: str
     prompt: type[RenderedPrompt]
     batchable: bool = True
     alone: str = ""
+    samples: bool = True
 
 
 GENERATE = Protocol("generate", RenderedPrompt)
@@ -59,6 +61,7 @@ LIKELIHOOD = Protocol(
     ScoredText,
     batchable=False,
     alone="scores each text alone (teacher forcing)",
+    samples=False,
 )
 SHARED_CONTEXT = Protocol(
     "shared_context",

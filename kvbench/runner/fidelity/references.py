@@ -155,6 +155,24 @@ def forced_reference(
     )
 
 
+def _generation_key(
+    lm: LoadedModel, spec: RunSpec, example_id: str, prompt: RenderedPrompt, settings: DecodeSettings
+) -> dict[str, Any]:
+    return reference_key("generate", lm, spec, example_id, prompt_hash(prompt.input_ids, prompt.suffix_ids), settings)
+
+
+def stored_generation_reference(
+    lm: LoadedModel,
+    spec: RunSpec,
+    example_id: str,
+    prompt: RenderedPrompt,
+    settings: DecodeSettings,
+    store: ReferenceStore,
+) -> Reference | None:
+    """The full cache's output for a prompt under ``settings`` if some run already stored it; never computed."""
+    return store.load(_generation_key(lm, spec, example_id, prompt, settings))
+
+
 def generation_reference(
     lm: LoadedModel,
     spec: RunSpec,
@@ -165,7 +183,7 @@ def generation_reference(
 ) -> tuple[Reference, str]:
     """The full cache's output for a prompt under ``settings`` (computed once, shared through ``store``) and the
     name of its file."""
-    key = reference_key("generate", lm, spec, example_id, prompt_hash(prompt.input_ids, prompt.suffix_ids), settings)
+    key = _generation_key(lm, spec, example_id, prompt, settings)
     ref = store.get_or_create(
         key, lambda: generated_reference(lm, prompt.input_ids, prompt.suffix_ids, settings, spec.stride)
     )
