@@ -85,3 +85,16 @@ def test_a_phase_policy_that_cannot_run_there_is_refused(prefill, decode, policy
 def test_a_phase_given_by_name_is_refused_here():
     with pytest.raises(ValueError, match="names a policy config"):
         build_policy({**tiny_policy_cfg("h2o"), "decode": "window"})
+
+
+@pytest.mark.parametrize("name", ["cap", "leverage", "compactor"])
+def test_a_prompt_score_reading_rope_compresses_the_prompt_under_a_decode_policy(tiny, random_ids, name):
+    """The prompt is compressed exactly as the policy alone compresses it: the phased score declares that its
+    prefill phase reads RoPE and the whole prompt, so the engine hands both over."""
+    ids = random_ids(40, seed=32)
+    policy, single = phased(name, "window", name), build_policy(tiny_policy_cfg(name))
+    assert policy.rope and policy.whole_prompt == single.whole_prompt
+    alone = run(tiny, ids, single, 12, stage="prefill")
+    g = run(tiny, ids, policy, 12)
+    for a, b in zip(alone.trace[0], g.trace[0]):
+        assert torch.equal(a, b)
