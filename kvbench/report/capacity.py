@@ -121,10 +121,14 @@ def capacity_plots(rows: pd.DataFrame) -> Iterator[tuple[str, str, Figure]]:
         tag = f"{model}_{task}_{stage}".replace("/", "-")
         title = cap_title(model, task, stage, float(group[CAPACITY_MEMORY_GIB].iat[0]))
         for column, stem, label, caption in (
-            (DECODE_TOKENS_PER_S, "capacity_tokens_per_s_vs_budget", "decode tokens/s", "decode tokens/s at the "
-             "largest batch that fits"),
+            (
+                DECODE_TOKENS_PER_S,
+                "capacity_tokens_per_s_vs_budget",
+                "decode tokens/s",
+                "decode tokens/s at the largest batch that fits",
+            ),
             (MAX_BATCH, "capacity_max_batch_vs_budget", "largest batch that fits", "largest batch that fits"),
-        ):  # fmt: skip
+        ):
             yield f"{stem}_{tag}", caption, budget_figure(group, column, label, title)
         picked = rows[MODEL].eq(model) & rows[TASK].eq(task) & rows[STAGE].eq(stage) & rows[FITS].astype(bool)
         yield (

@@ -39,7 +39,7 @@ LEGEND_HANDLE_IN, LEGEND_CHAR_IN, LEGEND_ROW_IN = 0.55, 0.055, 0.15
 LegendHandles = dict[str, Any]
 
 
-def _grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | None) -> tuple[Figure, np.ndarray]:
+def panel_grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | None) -> tuple[Figure, np.ndarray]:
     """A models x tasks grid of panels, single-column wide when there is only one panel column."""
     width = SINGLE_COLUMN_IN if len(tasks) == 1 else WIDE_IN
     fig = Figure(figsize=(width, PANEL_HEIGHT_IN * len(models) + 0.4), layout="constrained")
@@ -49,7 +49,9 @@ def _grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | None)
     return fig, axes
 
 
-def _finish(fig: Figure, axes: np.ndarray, models: list[str], xlabel: str, ylabel: str, handles: LegendHandles) -> None:
+def finish_panels(
+    fig: Figure, axes: np.ndarray, models: list[str], xlabel: str, ylabel: str, handles: LegendHandles
+) -> None:
     """Axis labels on the outer panels and one legend for the figure, in policy order."""
     for i, model in enumerate(models):
         axes[i, 0].set_ylabel(f"{model}\n{ylabel}" if len(models) > 1 else ylabel)
@@ -127,7 +129,7 @@ def budget_figure(stats: pd.DataFrame, stage: str, ylabel: str, titles: Mapping[
     """
     models, tasks = sorted(stats[MODEL].unique()), sorted(stats[TASK].unique())
     with matplotlib.rc_context(PAPER_RC):
-        fig, axes = _grid(models, tasks, titles)
+        fig, axes = panel_grid(models, tasks, titles)
         handles: LegendHandles = {}
         staged = stats[stats[STAGE].eq(stage)]
         styles = policy_styles(staged[POLICY])
@@ -135,7 +137,7 @@ def budget_figure(stats: pd.DataFrame, stage: str, ylabel: str, titles: Mapping[
             panel = staged[staged[MODEL].eq(model) & staged[TASK].eq(task)]
             _draw_budget_panel(axes[i, j], panel, handles, styles)
             axes[i, j].set_xlim(left=0)
-        _finish(fig, axes, models, X_LABEL, ylabel, handles)
+        finish_panels(fig, axes, models, X_LABEL, ylabel, handles)
     return fig
 
 
@@ -160,7 +162,7 @@ def pareto_figure(
         on=CELL,
     ).dropna(subset=["y", "cost"])
     with matplotlib.rc_context(PAPER_RC):
-        fig, axes = _grid(models, tasks, titles)
+        fig, axes = panel_grid(models, tasks, titles)
         handles: LegendHandles = {}
         styles = policy_styles(points[POLICY])
         for (i, model), (j, task) in ((m, t) for m in enumerate(models) for t in enumerate(tasks)):
@@ -199,7 +201,7 @@ def pareto_figure(
                 zorder=1,
             )
             handles.setdefault(FRONTIER, line)
-        _finish(fig, axes, models, xlabel, ylabel, handles)
+        finish_panels(fig, axes, models, xlabel, ylabel, handles)
     return fig
 
 
