@@ -135,7 +135,7 @@ def leaderboard_section(
         "max_new_tokens (stage decode); a threshold allocation's cells (the budget only caps them) and token "
         "budgets are placed at the ratio they achieved. Error bars: 95 % bootstrap over examples; the mean over "
         "tasks weighs tasks alike and resamples examples within each task (stratified), over cells run on every "
-        "task. The dashed line is the full cache.",
+        "task." + (" The dashed line is the full cache." if len(levels) else ""),
         "",
         "\n\n".join(f"![leaderboard, {stem.removeprefix('leaderboard_')}]({stem}.png)" for stem, _ in figures),
     ]
