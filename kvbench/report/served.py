@@ -41,7 +41,8 @@ def served_points(capacity_rows: pd.DataFrame, quality: pd.DataFrame) -> tuple[p
 
 
 def _place_labels(fig: Figure, ax: Axes, points: list[tuple[float, float, str]]) -> None:
-    """Each point's budget label at the first offset whose box overlaps no point and no label placed before it;
+    """Each point's budget label at the first offset whose box stays in the panel and overlaps no point and no
+    label placed before it;
     placed once the layout is final (labels are left out of the layout, so they do not move it)."""
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
@@ -63,7 +64,8 @@ def _place_labels(fig: Figure, ax: Axes, points: list[tuple[float, float, str]])
             )
             label.set_in_layout(False)
             box = label.get_window_extent(renderer)
-            if not any(box.overlaps(other) for other in taken) or (dx, dy) == OFFSETS[-1]:
+            inside = ax.bbox.contains(box.x0, box.y0) and ax.bbox.contains(box.x1, box.y1)
+            if (inside and not any(box.overlaps(other) for other in taken)) or (dx, dy) == OFFSETS[-1]:
                 taken.append(box)
                 break
             label.remove()
