@@ -11,6 +11,7 @@ from pathlib import Path
 
 import matplotlib
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from kvbench.report.plots import legend_below, save_figure
@@ -52,7 +53,7 @@ def cap_title(model: str, task: str, stage: str, gib: float) -> str:
     return f"{model}\n{task}, stage {stage}, cap {memory_text(gib)}"
 
 
-def _figure(title: str) -> tuple[Figure, object]:
+def _figure(title: str) -> tuple[Figure, Axes]:
     fig = Figure(figsize=(SINGLE_COLUMN_IN, HEIGHT_IN), layout="constrained")
     ax = fig.subplots()
     ax.set_title(title)

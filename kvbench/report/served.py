@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import matplotlib
+import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -48,7 +49,7 @@ def _place_labels(fig: Figure, ax: Axes, points: list[tuple[float, float, str]])
     canvas.draw()
     renderer = canvas.get_renderer()
     pad = renderer.points_to_pixels(3.0)
-    centres = ax.transData.transform([(x, y) for x, y, _ in points]) if points else []
+    centres = ax.transData.transform([(x, y) for x, y, _ in points]) if points else np.empty((0, 2))
     taken = [Bbox.from_extents(cx - pad, cy - pad, cx + pad, cy + pad) for cx, cy in centres]
     for x, y, text in points:
         for dx, dy in OFFSETS:
