@@ -16,7 +16,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 from kvbench.report.declared import PolicyFacts
 from kvbench.report.leaderboard import MEAN_TASK, baseline_levels, mean_points, paired_over_tasks, task_points
 from kvbench.report.plots import LegendHandles, finish_panels, panel_grid
-from kvbench.report.style import PAPER_RC, policy_styles, sort_policies, sort_stages
+from kvbench.report.style import PAPER_RC, display_name, policy_styles, sort_policies, sort_stages
 from kvbench.report.tables import markdown_table
 from kvbench.results.schema import BUDGET, MODEL, POLICY, STAGE, TASK
 from kvbench.stages import Stage
@@ -98,7 +98,8 @@ def leaderboard_markdown(paired: pd.DataFrame, points: pd.DataFrame) -> str:
             texts.append(text + (f" at {ratio:.3g}×" if np.isfinite(ratio) else ""))
         wide = block.assign(text=texts).pivot_table(index=POLICY, columns=BUDGET, values="text", aggfunc="first")
         order = sorted(wide.columns, key=lambda b: -_ratio_of(b))
-        wide = wide.reindex(index=sort_policies(block[POLICY]), columns=order).fillna("–").reset_index()
+        wide = wide.reindex(index=sort_policies(block[POLICY]), columns=order).fillna("–")
+        wide = wide.rename(index=display_name).reset_index()
         heading = f"**{model} · {stage}** − {block['baseline'].iat[0]}, mean over {block['tasks'].iat[0]} tasks"
         parts.append(f"{heading}\n\n{markdown_table(wide)}")
     return "\n\n".join(parts)
