@@ -26,7 +26,7 @@ LOWEST, HIGHEST = 2.0, 32.0  # the ratios every leaderboard shows, 1/2 to 1/32 o
 
 def ratio_label(stage: str) -> str:
     """What the ratio divides: the prompt, or in stage=decode the prompt with the tokens generated."""
-    kept = "(prompt + max_new_tokens) ÷ KV kept" if stage == Stage.decode.value else "prompt ÷ KV kept"
+    kept = "(prompt + max_new_tokens)\n÷ KV kept" if stage == Stage.decode.value else "prompt ÷ KV kept"
     return f"compression ratio\n({kept})"
 
 

@@ -73,7 +73,10 @@ def figures(tmp_path: Path) -> Iterator[tuple[str, Figure]]:
         yield stem, fig
     facts = policy_facts(rows)
     points = pd.concat([task_points(rows, column, facts, quality), mean_points(rows, column, facts, 50)])
-    yield "leaderboard", leaderboard_figure(points, baseline_levels(rows, column), "prefill", "accuracy")
+    levels = baseline_levels(rows, column)
+    yield "leaderboard", leaderboard_figure(points, levels, "prefill", "accuracy")
+    decode = points.assign(stage="decode")  # its axis says what the ratio divides in stage=decode, at more length
+    yield "leaderboard, decode", leaderboard_figure(decode, levels.assign(stage="decode"), "decode", "accuracy")
     served, _ = served_points(capacity, quality)
     yield "served", served_figure(served, f"{MODEL}\nretrieval, cap 64 MiB", "accuracy")
 
@@ -106,7 +109,7 @@ def layout_problems(fig: Figure) -> list[str]:
 
 def test_every_figure_kind_keeps_its_text_inside_and_its_legend_off_the_panels(tmp_path: Path) -> None:
     drawn = dict(figures(tmp_path))
-    assert len(drawn) == 7
+    assert len(drawn) == 8
     for name, fig in drawn.items():
         assert layout_problems(fig) == [], name
 

@@ -97,7 +97,7 @@ def test_decode_ratio_is_not_called_a_share_of_the_prompt(tmp_path: Path) -> Non
     column, _ = quality_column(rows, None)
     points = task_points(rows, column, policy_facts(rows), cell_stats(rows, [column], 50))
     fig = leaderboard_figure(points, pd.DataFrame(columns=["model", "task", "stage", "policy", "y"]), "decode", "q")
-    assert "(prompt + max_new_tokens) ÷" in fig.axes[0].get_xlabel()
+    assert "(prompt + max_new_tokens)\n÷" in fig.axes[0].get_xlabel()
 
 
 def test_paired_mean_over_tasks_is_the_mean_of_each_tasks_paired_difference(tmp_path: Path) -> None:
