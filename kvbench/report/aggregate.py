@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -157,11 +157,13 @@ def _sorted_cells(frame: pd.DataFrame) -> pd.DataFrame:
     ).reset_index(drop=True)
 
 
-def missing_cells(rows: pd.DataFrame) -> pd.DataFrame:
+def missing_cells(rows: pd.DataFrame, refused: Mapping[str, Collection[str]] | None = None) -> pd.DataFrame:
     """Cells of the grid (seen policies x budgets x tasks x models x stages) with no row at all.
 
-    The full cache (each of its variants) needs one cell per model and task, at any budget and stage.
+    The full cache (each of its variants) needs one cell per model and task, at any budget and stage. A policy is
+    not expected in the stages kvbench refuses it in (``refused``: policy -> stages, kvbench.report.declared).
     """
+    refused = refused or {}
     columns = [*CELL, "budget_kind", "budget_value"]
     if rows.empty:
         return pd.DataFrame(columns=columns)
@@ -175,7 +177,7 @@ def missing_cells(rows: pd.DataFrame) -> pd.DataFrame:
         for model, task, stage, policy, (budget, kind, value) in itertools.product(
             models, tasks, stages, sorted(evicting[POLICY].unique()), budgets
         )
-        if (model, task, stage, policy, budget) not in present
+        if (model, task, stage, policy, budget) not in present and stage not in refused.get(policy, ())
     ]
     for full, cells in rows[rows[POLICY].map(is_baseline)].groupby(POLICY):
         have_full = set(cells[[MODEL, TASK]].itertuples(index=False, name=None))

@@ -15,23 +15,19 @@ from typing import TextIO
 import pandas as pd
 from matplotlib.figure import Figure
 
-from kvbench.report.aggregate import (
-    N_BOOT,
-    cell_stats,
-    error_counts,
-    missing_cells,
-    quality_column,
-    with_full_baseline,
-)
+from kvbench.report.aggregate import N_BOOT, cell_stats, quality_column, with_full_baseline
 from kvbench.report.capacity import capacity_figures
+from kvbench.report.coverage import coverage, coverage_markdown, log_coverage
+from kvbench.report.declared import policy_facts
 from kvbench.report.labels import shared_settings
-from kvbench.report.load import Loaded, load_rows
+from kvbench.report.leaderboard_plot import leaderboard_section
+from kvbench.report.load import load_rows
 from kvbench.report.paired import paired_differences, paired_markdown
 from kvbench.report.plots import budget_figure, pareto_figure, save_figure
-from kvbench.report.style import is_baseline, lower_is_better, metric_label, sort_stages
-from kvbench.report.tables import markdown_table, quality_csv, quality_markdown
+from kvbench.report.served import served_plots, served_points
+from kvbench.report.style import is_baseline, lower_is_better, metric_label, sort_policies, sort_stages
+from kvbench.report.tables import quality_csv, quality_markdown
 from kvbench.results.schema import (
-    CELL,
     DECODE_MS_MEAN,
     DECODE_TOKENS_PER_S,
     KIND,
@@ -77,39 +73,6 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
-def _coverage(loaded: Loaded, missing: pd.DataFrame, errors: pd.DataFrame) -> str:
-    """The report section that says what is absent or failed."""
-    lines = ["## Coverage", ""]
-    if missing.empty:
-        lines.append("No missing cells: every policy × budget × task × model × stage seen has rows.")
-    else:
-        lines += [f"{len(missing)} missing cells (no rows at all):", "", markdown_table(missing[CELL])]
-    lines.append("")
-    if errors.empty:
-        lines.append("No failed examples.")
-    else:
-        lines += [f"{int(errors['errors'].sum())} failed examples (excluded from statistics):", ""]
-        lines.append(markdown_table(errors[[*CELL, "ok", "errors", "first_error"]]))
-    if loaded.bad_lines or loaded.duplicates:
-        lines += ["", f"Skipped {loaded.bad_lines} unreadable lines and {loaded.duplicates} duplicate example rows."]
-    return "\n".join(lines)
-
-
-def _log_coverage(log: TextIO, loaded: Loaded, missing: pd.DataFrame, errors: pd.DataFrame) -> None:
-    rows = loaded.rows
-    print(
-        f"kvbench-report: {len(rows)} rows from {len(loaded.files)} files "
-        f"({loaded.bad_lines} unreadable lines, {loaded.duplicates} duplicates skipped)",
-        file=log,
-    )
-    if not missing.empty:
-        print(f"kvbench-report: {len(missing)} missing cells (model / task / stage / policy / budget):", file=log)
-        for cell in missing[CELL].itertuples(index=False):
-            print("  " + " / ".join(cell), file=log)
-    if not errors.empty:
-        print(f"kvbench-report: {int(errors['errors'].sum())} failed examples in {len(errors)} cells", file=log)
-
-
 def _write_figures(
     stats: pd.DataFrame, column: str, names: dict[str, str], stages: list[str], out_dir: Path
 ) -> dict[str, list[str]]:
@@ -142,6 +105,19 @@ def _write_figures(
     return sections
 
 
+def _served_lines(capacity_rows: pd.DataFrame, quality: pd.DataFrame, label: str, out_dir: Path) -> list[str]:
+    """What the memory buys: quality against decode tokens/s at the cap, where the quality sweep has the cells."""
+    points, unmatched = served_points(capacity_rows, quality)
+    lines = ["", "### What the memory buys, with what it costs", ""]
+    for stem, caption, fig in served_plots(points, label):
+        save_figure(fig, out_dir, stem)
+        lines.append(f"![{caption}]({stem}.png)")
+    if len(unmatched):
+        cells = ", ".join(" / ".join(map(str, cell)) for cell in unmatched.itertuples(index=False))
+        lines += ["", f"No quality cell of the same model, task, policy, budget and stage for: {cells}."]
+    return lines
+
+
 def _policies(rows: pd.DataFrame) -> str:
     return ", ".join(sorted(rows[POLICY].unique()))
 
@@ -171,10 +147,12 @@ def build_report(
     seed: int = 0,
     log: TextIO | None = None,
     paired: Sequence[str] = (),
+    baseline: str | None = None,
 ) -> Path:
     """Write every figure, the tables and ``report.md`` into ``out_dir``; returns report.md's path.
 
-    ``paired``: baseline policies each other policy is compared with example by example (``report.paired``).
+    ``paired``: baseline policies each other policy is compared with example by example (``report.paired``);
+    ``baseline``: the policy the leaderboard's table compares with (default: the full cache, when it ran).
     Progress, gaps and failures go to ``log`` (standard error by default).
     """
     log = log or sys.stderr
@@ -185,9 +163,12 @@ def build_report(
     unknown = sorted(set(paired) - set(rows[POLICY]))
     if unknown:
         raise ValueError(f"--paired {', '.join(unknown)}: no such policy in the rows; they hold {_policies(rows)}")
+    if baseline is not None and baseline not in set(rows[POLICY]):
+        raise ValueError(f"--baseline {baseline}: no such policy in the rows; they hold {_policies(rows)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     is_capacity = rows[KIND].eq(KIND_CAPACITY)
-    capacity = capacity_figures(rows[is_capacity], out_dir) if is_capacity.any() else []
+    capacity_rows = rows[is_capacity]
+    capacity = capacity_figures(capacity_rows, out_dir) if is_capacity.any() else []
     rows = rows[~is_capacity]
     if rows.empty:
         report = out_dir / "report.md"
@@ -197,11 +178,23 @@ def build_report(
     column, names = quality_column(rows, metric)
     quantities = [column, *(c for c, *_ in SYSTEMS), *(c for c, *_ in PARETO)]
     stats = with_full_baseline(cell_stats(rows, list(dict.fromkeys(quantities)), n_boot, seed))
-    missing, errors = missing_cells(rows), error_counts(rows)
-    _log_coverage(log, loaded, missing, errors)
+    facts = policy_facts(rows)
+    cover = coverage(rows, roots, {policy: fact.refused_stages for policy, fact in facts.items()})
+    log_coverage(log, loaded, cover)
 
     sections = _write_figures(stats, column, names, sort_stages(rows[STAGE]), out_dir)
     quality = _quantity(stats, column)
+    quality_label = metric_label(next(iter(names.values()))) if len(set(names.values())) == 1 else SCORE
+    baseline = baseline or next((p for p in sort_policies(rows[POLICY]) if is_baseline(p)), None)
+    board_figures, board, board_paired = leaderboard_section(
+        rows, column, facts, quality, baseline, quality_label, n_boot, seed
+    )
+    for stem, fig in board_figures:
+        save_figure(fig, out_dir, stem)
+    if len(board_paired):
+        board_paired.to_csv(out_dir / f"leaderboard_paired_{_safe(str(baseline))}.csv", index=False)
+    if is_capacity.any():
+        capacity += _served_lines(capacity_rows, quality, quality_label, out_dir)
     tables_md = quality_markdown(quality, names)
     quality_csv(quality, names).to_csv(out_dir / "quality_table.csv", index=False)
     (out_dir / "quality_table.md").write_text(tables_md + "\n", encoding="utf-8")
@@ -222,18 +215,20 @@ def build_report(
     if shared:
         listed = ", ".join(f"`{key}={value}`" for key, value in shared)
         parts += ["", f"Every cell changes these of its named defaults: {listed}."]
-    if not missing.empty:
-        parts += ["", f"**Partial sweep: {len(missing)} missing cells, listed under Coverage.**"]
+    if not cover.missing.empty:
+        parts += ["", f"**Partial sweep: {len(cover.missing)} missing cells, listed under Coverage.**"]
     for title, images in sections.items():
         if images:
             parts += ["", f"## {title}", "", "\n\n".join(images)]
+    if board_figures:
+        parts += ["", *board]
     if capacity:
         parts += ["", "## Capacity", "", *capacity]
     parts += ["", "## Quality tables", "", "Best policy per budget in bold (the full cache is the reference).", ""]
     parts += [tables_md or "No quality values."]
     for baseline in paired:
         parts += ["", *_paired_section(rows, column, names, baseline, n_boot, seed, out_dir)]
-    parts += ["", _coverage(loaded, missing, errors), ""]
+    parts += ["", coverage_markdown(loaded, cover), ""]
     report = out_dir / "report.md"
     report.write_text("\n".join(parts), encoding="utf-8")
     print(f"kvbench-report: wrote {report}", file=log)

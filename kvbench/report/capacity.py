@@ -6,13 +6,24 @@ stage, policy and budget, the largest batch that fit the cap and the decode toke
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import matplotlib
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from kvbench.report.plots import save_figure
-from kvbench.report.style import SINGLE_COLUMN_IN, is_baseline, policy_style, sort_policies
+from kvbench.report.plots import legend_below, save_figure
+from kvbench.report.style import (
+    PAPER_RC,
+    SINGLE_COLUMN_IN,
+    budget_axis_label,
+    is_baseline,
+    memory_text,
+    policy_styles,
+    sort_policies,
+)
 from kvbench.results.schema import (
     CAPACITY_BATCH,
     CAPACITY_MEMORY_GIB,
@@ -26,6 +37,7 @@ from kvbench.results.schema import (
 )
 
 KEY = [MODEL, TASK, STAGE, POLICY, "budget_value"]
+HEIGHT_IN = 2.2
 
 
 def capacity_cells(rows: pd.DataFrame) -> pd.DataFrame:
@@ -36,63 +48,114 @@ def capacity_cells(rows: pd.DataFrame) -> pd.DataFrame:
     return best[KEY + [MAX_BATCH, DECODE_TOKENS_PER_S, CAPACITY_MEMORY_GIB]]
 
 
-def _budget_axis(fig: Figure, cells: pd.DataFrame, column: str, label: str) -> None:
+def cap_title(model: str, task: str, stage: str, gib: float) -> str:
+    """Two short lines, so that a long model name is never cut: what ran, then under which cap."""
+    return f"{model}\n{task}, stage {stage}, cap {memory_text(gib)}"
+
+
+def _figure(title: str) -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(SINGLE_COLUMN_IN, HEIGHT_IN), layout="constrained")
     ax = fig.subplots()
-    for policy in sort_policies(cells[POLICY].unique()):
-        part = cells[cells[POLICY].eq(policy)].sort_values("budget_value")
-        style = policy_style(policy)
-        if is_baseline(policy):
-            ax.axhline(float(part[column].iloc[0]), color=style.color, linestyle="--", label=policy)
-            continue
-        ax.plot(part["budget_value"] * 100, part[column], marker=style.marker, color=style.color, label=policy)
-    ax.set_xlabel("KV budget (% of the prompt)")
-    ax.set_ylabel(label)
-    ax.legend()
+    ax.set_title(title)
+    return fig, ax
 
 
-def capacity_figures(rows: pd.DataFrame, out_dir: Path) -> list[str]:
-    """Three figures (PNG + PDF) and a table; returns report.md's lines for them."""
-    cells = capacity_cells(rows)
-    lines, gib = [], sorted(cells[CAPACITY_MEMORY_GIB].unique())
-    for (model, task, stage), group in cells.groupby([MODEL, TASK, STAGE]):
-        tag = f"{model}_{task}_{stage}".replace("/", "-")
-        for column, stem, label in (
-            (DECODE_TOKENS_PER_S, "capacity_tokens_per_s_vs_budget", "decode tokens/s at the largest batch"),
-            (MAX_BATCH, "capacity_max_batch_vs_budget", "largest batch that fits"),
-        ):
-            fig = Figure(figsize=(SINGLE_COLUMN_IN, 2.4), layout="constrained")
-            _budget_axis(fig, group, column, label)
-            fig.suptitle(f"{model}, {task}, {stage}: cap {gib[0]:g} GiB")
-            save_figure(fig, out_dir, f"{stem}_{tag}")
-            lines.append(f"![{label}]({stem}_{tag}.png)")
-        fig = Figure(figsize=(SINGLE_COLUMN_IN, 2.4), layout="constrained")
-        ax = fig.subplots()
-        probes = rows[rows[MODEL].eq(model) & rows[TASK].eq(task) & rows[STAGE].eq(stage) & rows[FITS].astype(bool)]
-        for (policy, budget), part in probes.groupby([POLICY, "budget_value"]):
-            part = part.sort_values(CAPACITY_BATCH)
-            style = policy_style(policy)
-            ax.plot(
-                part[CAPACITY_BATCH],
-                part[DECODE_TOKENS_PER_S],
-                marker=style.marker,
-                color=style.color,
-                linestyle="--" if is_baseline(policy) else "-",
-                label=policy if is_baseline(policy) else f"{policy} {budget * 100:g}%",
-            )
+def budget_figure(cells: pd.DataFrame, column: str, label: str, title: str) -> Figure:
+    """``column`` of one model, task and stage against the budget asked for: a line per policy, the full cache
+    dashed."""
+    with matplotlib.rc_context(PAPER_RC):
+        fig, ax = _figure(title)
+        styles, handles = policy_styles(cells[POLICY]), []
+        for policy in sort_policies(cells[POLICY].unique()):
+            part, style = cells[cells[POLICY].eq(policy)].sort_values("budget_value"), styles[policy]
+            if is_baseline(policy):
+                line = ax.axhline(float(part[column].iloc[0]), color=style.color, ls="--", label=style.label)
+            else:
+                (line,) = ax.plot(
+                    part["budget_value"] * 100,
+                    part[column],
+                    marker=style.marker,
+                    color=style.color,
+                    ls=style.linestyle,
+                    lw=style.linewidth,
+                    label=style.label,
+                    gid=policy,
+                )
+            handles.append(line)
+        ax.set_xlabel(budget_axis_label(str(cells[STAGE].iat[0])))
+        ax.set_ylabel(label)
+        legend_below(fig, handles)
+    return fig
+
+
+def batch_figure(probes: pd.DataFrame, title: str) -> Figure:
+    """Decode tokens/s against batch size, a line per policy and budget, up to the largest batch that fit."""
+    with matplotlib.rc_context(PAPER_RC):
+        fig, ax = _figure(title)
+        styles, handles = policy_styles(probes[POLICY]), []
+        for policy in sort_policies(probes[POLICY].unique()):
+            style = styles[policy]
+            for budget, part in probes[probes[POLICY].eq(policy)].groupby("budget_value"):
+                part = part.sort_values(CAPACITY_BATCH)
+                (line,) = ax.plot(
+                    part[CAPACITY_BATCH],
+                    part[DECODE_TOKENS_PER_S],
+                    marker=style.marker,
+                    color=style.color,
+                    alpha=1.0 if is_baseline(policy) else 0.35 + 0.65 * float(budget),
+                    ls="--" if is_baseline(policy) else style.linestyle,
+                    label=style.label if is_baseline(policy) else f"{style.label} {float(budget) * 100:g}%",
+                    gid=f"{policy}@{budget}",
+                )
+                handles.append(line)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("decode tokens/s")
-        ax.legend(fontsize=6)
-        save_figure(fig, out_dir, f"capacity_tokens_per_s_vs_batch_{tag}")
-        lines.append(f"![decode tokens/s against batch](capacity_tokens_per_s_vs_batch_{tag}.png)")
+        legend_below(fig, handles)
+    return fig
+
+
+def capacity_plots(rows: pd.DataFrame) -> Iterator[tuple[str, str, Figure]]:
+    """(file stem, caption, figure) of every capacity figure."""
+    cells = capacity_cells(rows)
+    for (model, task, stage), group in cells.groupby([MODEL, TASK, STAGE]):
+        tag = f"{model}_{task}_{stage}".replace("/", "-")
+        title = cap_title(model, task, stage, float(group[CAPACITY_MEMORY_GIB].iat[0]))
+        for column, stem, label, caption in (
+            (
+                DECODE_TOKENS_PER_S,
+                "capacity_tokens_per_s_vs_budget",
+                "decode tokens/s",
+                "decode tokens/s at the largest batch that fits",
+            ),
+            (MAX_BATCH, "capacity_max_batch_vs_budget", "largest batch that fits", "largest batch that fits"),
+        ):
+            yield f"{stem}_{tag}", caption, budget_figure(group, column, label, title)
+        picked = rows[MODEL].eq(model) & rows[TASK].eq(task) & rows[STAGE].eq(stage) & rows[FITS].astype(bool)
+        yield (
+            f"capacity_tokens_per_s_vs_batch_{tag}",
+            "decode tokens/s against batch",
+            batch_figure(rows[picked], title),
+        )
+
+
+def capacity_figures(rows: pd.DataFrame, out_dir: Path) -> list[str]:
+    """Three figures per model, task and stage (PNG + PDF) and a table; returns report.md's lines for them."""
+    lines = []
+    for stem, caption, fig in capacity_plots(rows):
+        save_figure(fig, out_dir, stem)
+        lines.append(f"![{caption}]({stem}.png)")
+    cells = capacity_cells(rows)
+    names = policy_styles(cells[POLICY])
     table = cells.assign(budget=(cells["budget_value"] * 100).map(lambda v: f"{v:g}%"))
     lines += [
         "",
-        "| model | task | stage | policy | budget | largest batch | decode tokens/s there |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| model | task | stage | cap | policy | budget | largest batch | decode tokens/s there |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     lines += [
-        f"| {r.model} | {r.task} | {r.stage} | {r.policy} | {r.budget} | {r.max_batch} | {r.decode_tokens_per_s:.1f} |"
+        f"| {r.model} | {r.task} | {r.stage} | {memory_text(r.capacity_memory_gib)} | {names[r.policy].label} | "
+        f"{r.budget} | {r.max_batch} | {r.decode_tokens_per_s:.1f} |"
         for r in table.itertuples()
     ]
     return lines

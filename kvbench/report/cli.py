@@ -1,4 +1,5 @@
-"""``kvbench-report RESULTS_DIR... [--out DIR] [--metric NAME] [--paired POLICY]``: the command-line entry point."""
+"""``kvbench-report RESULTS_DIR... [--out DIR] [--metric NAME] [--paired POLICY] [--baseline POLICY]``: the
+command-line entry point."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="POLICY",
         help="also compare every policy with POLICY example by example (paired bootstrap); repeatable",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="POLICY",
+        help="the policy the leaderboard's table compares every other with (default: the full cache)",
+    )
     return parser
 
 
@@ -56,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.bootstrap,
             args.seed,
             paired=args.paired,
+            baseline=args.baseline,
         )
     except ValueError as error:
         print(f"kvbench-report: {error}", file=sys.stderr)

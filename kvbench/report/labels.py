@@ -21,6 +21,41 @@ Entry = tuple[str, str]  # (dotted key, value as text)
 COLUMN_OF = {"model": MODEL, "task": TASK, "policy": POLICY}
 
 
+# How a paper names each named policy (configs/policy/<name>.yaml): one display name per policy in every figure,
+# table and legend; a policy not listed is named by its score's declared label, else by its config name.
+DISPLAY_NAMES = {
+    "full": "Full cache",
+    "window": "Window",
+    "streamingllm": "StreamingLLM",
+    "random": "Random",
+    "h2o": "H2O",
+    "scissorhands": "Scissorhands",
+    "tova": "TOVA",
+    "roco": "RoCo",
+    "snapkv": "SnapKV",
+    "knorm": "K-norm",
+    "vatp": "VATP",
+    "pyramidkv": "PyramidKV",
+    "adakv": "Ada-KV",
+    "mean_window": "Mean window",
+    "accumulated_robust": "Accumulated (robust)",
+    "keydiff": "KeyDiff",
+    "cur": "CurDKV",
+    "lagkv": "LagKV",
+    "leverage": "Leverage",
+    "threshold": "Threshold (DMS)",
+    "cam": "CaM",
+    "rkv": "R-KV",
+    "expected_attention": "Expected Attention",
+    "criticalkv": "CriticalKV",
+    "criticalkv_adakv": "CriticalKV + Ada-KV",
+    "chunkkv": "ChunkKV",
+    "noncausal_attn": "Non-causal attention",
+    "compactor": "Compactor",
+    "cap": "CAPKV",
+}
+
+
 def labelled(name: str, parts: Iterable[str]) -> str:
     """``name (part, part)``, or the name alone."""
     shown = ", ".join(parts)

@@ -9,12 +9,12 @@ case on small samples. Only examples both policies finished are paired.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
-from kvbench.report.aggregate import N_BOOT, bootstrap
+from kvbench.report.aggregate import LEVEL, N_BOOT, bootstrap
 from kvbench.report.style import is_baseline, lower_is_better, sort_policies
 from kvbench.report.tables import BLOCK, markdown_table
 from kvbench.results.schema import BUDGET, EXAMPLE_ID, MODEL, POLICY, STAGE, STATUS, STATUS_OK, TASK
@@ -22,7 +22,7 @@ from kvbench.results.schema import BUDGET, EXAMPLE_ID, MODEL, POLICY, STAGE, STA
 PAIRED_COLUMNS = [*BLOCK, BUDGET, POLICY, "baseline", "diff", "ci_low", "ci_high", "n", "better", "worse"]
 
 
-def _baseline_rows(block: pd.DataFrame, everything: pd.DataFrame, baseline: str) -> pd.DataFrame:
+def baseline_rows(block: pd.DataFrame, everything: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """The baseline's rows for one block; the full cache ignores budget and stage, so any of its rows serve."""
     rows = block[block[POLICY].eq(baseline)]
     if rows.empty and is_baseline(baseline):
@@ -47,7 +47,7 @@ def paired_differences(
     ok = ok.assign(_value=pd.to_numeric(ok[column], errors="coerce")).dropna(subset=["_value"])
     records = []
     for key, block in ok.groupby([*BLOCK, BUDGET], sort=False):
-        base = _baseline_rows(block, ok, baseline).drop_duplicates(EXAMPLE_ID).set_index(EXAMPLE_ID)["_value"]
+        base = baseline_rows(block, ok, baseline).drop_duplicates(EXAMPLE_ID).set_index(EXAMPLE_ID)["_value"]
         if base.empty:
             continue
         lower = lower_is_better(metric_names.get(str(key[1]), column))
@@ -76,6 +76,23 @@ def paired_differences(
                 }
             )
     return pd.DataFrame.from_records(records, columns=[*PAIRED_COLUMNS, "budget_kind", "budget_value"])
+
+
+def stratified_bootstrap(
+    strata: Sequence[np.ndarray], rng: np.random.Generator, n_boot: int = N_BOOT, level: float = LEVEL
+) -> tuple[float, float, float]:
+    """The mean over strata of each stratum's mean (tasks weigh alike, whatever their number of examples) and its
+    percentile-bootstrap interval, resampling examples within each stratum: the interval of a benchmark average
+    whose tasks were all run, where only the examples are a sample. Widened to include the mean, as ``bootstrap``."""
+    means = np.zeros(n_boot)
+    for values in strata:
+        data = np.asarray(values, dtype=float)
+        means += data[rng.integers(0, len(data), size=(n_boot, len(data)))].mean(axis=1)
+    means /= len(strata)
+    mean = float(np.mean([np.mean(values) for values in strata]))
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return mean, min(float(low), mean), max(float(high), mean)
 
 
 def _signed(value: float) -> str:

@@ -18,20 +18,28 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from kvbench.report.aggregate import pareto_mask
-from kvbench.report.style import PAPER_RC, SINGLE_COLUMN_IN, WIDE_IN, is_baseline, policy_style, sort_policies
+from kvbench.report.style import (
+    PAPER_RC,
+    SINGLE_COLUMN_IN,
+    WIDE_IN,
+    PolicyStyle,
+    is_baseline,
+    policy_styles,
+    sort_policies,
+)
 from kvbench.results.schema import CELL, MODEL, POLICY, STAGE, TASK
 
 X_LABEL = "KV budget achieved (%)"
 FRONTIER = "pareto_frontier"
 PANEL_HEIGHT_IN = 1.75
 # Rough legend geometry at 7 pt: width of a handle plus padding, of one character, height of a row.
-LEGEND_HANDLE_IN, LEGEND_CHAR_IN, LEGEND_ROW_IN = 0.45, 0.055, 0.15
+LEGEND_HANDLE_IN, LEGEND_CHAR_IN, LEGEND_ROW_IN = 0.55, 0.055, 0.15
 # A line (Artist) or an error-bar container per policy: both make a legend entry; matplotlib's stubs accept
 # only the first.
 LegendHandles = dict[str, Any]
 
 
-def _grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | None) -> tuple[Figure, np.ndarray]:
+def panel_grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | None) -> tuple[Figure, np.ndarray]:
     """A models x tasks grid of panels, single-column wide when there is only one panel column."""
     width = SINGLE_COLUMN_IN if len(tasks) == 1 else WIDE_IN
     fig = Figure(figsize=(width, PANEL_HEIGHT_IN * len(models) + 0.4), layout="constrained")
@@ -41,7 +49,9 @@ def _grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | None)
     return fig, axes
 
 
-def _finish(fig: Figure, axes: np.ndarray, models: list[str], xlabel: str, ylabel: str, handles: LegendHandles) -> None:
+def finish_panels(
+    fig: Figure, axes: np.ndarray, models: list[str], xlabel: str, ylabel: str, handles: LegendHandles
+) -> None:
     """Axis labels on the outer panels and one legend for the figure, in policy order."""
     for i, model in enumerate(models):
         axes[i, 0].set_ylabel(f"{model}\n{ylabel}" if len(models) > 1 else ylabel)
@@ -51,20 +61,27 @@ def _finish(fig: Figure, axes: np.ndarray, models: list[str], xlabel: str, ylabe
         if not ax.has_data():
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.5")
     names = sort_policies(k for k in handles if k != FRONTIER) + ([FRONTIER] if FRONTIER in handles else [])
-    if names:
-        labels = [str(handles[n].get_label()) for n in names]
-        column_in = LEGEND_HANDLE_IN + LEGEND_CHAR_IN * max(map(len, labels))
-        ncols = max(1, min(len(names), int(fig.get_figwidth() // column_in)))
-        fig.set_figheight(fig.get_figheight() + LEGEND_ROW_IN * -(-len(names) // ncols))
-        fig.legend(
-            [handles[n] for n in names],
-            labels,
-            loc="outside lower center",
-            ncols=ncols,
-            frameon=False,
-            handlelength=1.8,
-            columnspacing=1.0,
-        )
+    legend_below(fig, [handles[n] for n in names])
+
+
+def legend_below(fig: Figure, handles: list[Any], labels: list[str] | None = None) -> None:
+    """One legend under the panels (never over data), in as many columns as the figure's width holds; the figure
+    grows by its rows."""
+    if not handles:
+        return
+    labels = labels or [str(h.get_label()) for h in handles]
+    column_in = LEGEND_HANDLE_IN + LEGEND_CHAR_IN * max(map(len, labels))
+    ncols = max(1, min(len(handles), int(fig.get_figwidth() // column_in)))
+    fig.set_figheight(fig.get_figheight() + LEGEND_ROW_IN * -(-len(handles) // ncols))
+    fig.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncols=ncols,
+        frameon=False,
+        handlelength=2.4,
+        columnspacing=1.0,
+    )
 
 
 def _baseline_y(cells: pd.DataFrame) -> float:
@@ -73,9 +90,11 @@ def _baseline_y(cells: pd.DataFrame) -> float:
     return float(np.average(cells["y"], weights=cells["n"])) if len(cells) else float("nan")
 
 
-def _draw_budget_panel(ax: Axes, panel: pd.DataFrame, handles: LegendHandles) -> None:
+def _draw_budget_panel(
+    ax: Axes, panel: pd.DataFrame, handles: LegendHandles, styles: Mapping[str, PolicyStyle]
+) -> None:
     for policy in sort_policies(panel[POLICY]):
-        style = policy_style(policy)
+        style = styles[policy]
         cells = panel[panel[POLICY].eq(policy)].dropna(subset=["x", "y"]).sort_values("x")
         if cells.empty:
             continue
@@ -92,6 +111,7 @@ def _draw_budget_panel(ax: Axes, panel: pd.DataFrame, handles: LegendHandles) ->
             color=style.color,
             marker=style.marker,
             lw=style.linewidth,
+            ls=style.linestyle,
             elinewidth=0.7,
             capsize=1.5,
             zorder=style.zorder,
@@ -109,14 +129,15 @@ def budget_figure(stats: pd.DataFrame, stage: str, ylabel: str, titles: Mapping[
     """
     models, tasks = sorted(stats[MODEL].unique()), sorted(stats[TASK].unique())
     with matplotlib.rc_context(PAPER_RC):
-        fig, axes = _grid(models, tasks, titles)
+        fig, axes = panel_grid(models, tasks, titles)
         handles: LegendHandles = {}
         staged = stats[stats[STAGE].eq(stage)]
+        styles = policy_styles(staged[POLICY])
         for (i, model), (j, task) in ((m, t) for m in enumerate(models) for t in enumerate(tasks)):
             panel = staged[staged[MODEL].eq(model) & staged[TASK].eq(task)]
-            _draw_budget_panel(axes[i, j], panel, handles)
+            _draw_budget_panel(axes[i, j], panel, handles, styles)
             axes[i, j].set_xlim(left=0)
-        _finish(fig, axes, models, X_LABEL, ylabel, handles)
+        finish_panels(fig, axes, models, X_LABEL, ylabel, handles)
     return fig
 
 
@@ -141,13 +162,14 @@ def pareto_figure(
         on=CELL,
     ).dropna(subset=["y", "cost"])
     with matplotlib.rc_context(PAPER_RC):
-        fig, axes = _grid(models, tasks, titles)
+        fig, axes = panel_grid(models, tasks, titles)
         handles: LegendHandles = {}
+        styles = policy_styles(points[POLICY])
         for (i, model), (j, task) in ((m, t) for m in enumerate(models) for t in enumerate(tasks)):
             ax = axes[i, j]
             panel = points[points[MODEL].eq(model) & points[TASK].eq(task)]
             for policy in sort_policies(panel[POLICY]):
-                style = policy_style(policy)
+                style = styles[policy]
                 cells = panel[panel[POLICY].eq(policy)].sort_values("cost")
                 (line,) = ax.plot(
                     cells["cost"],
@@ -179,7 +201,7 @@ def pareto_figure(
                 zorder=1,
             )
             handles.setdefault(FRONTIER, line)
-        _finish(fig, axes, models, xlabel, ylabel, handles)
+        finish_panels(fig, axes, models, xlabel, ylabel, handles)
     return fig
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvbench.metrics.registry import metric_info
 from kvbench.policies.parts import SCORES
-from kvbench.report.labels import base_name
+from kvbench.report.labels import DISPLAY_NAMES, base_name
 from kvbench.stages import Stage
 
 BASELINE = "full"
@@ -54,44 +54,100 @@ class PolicyStyle:
     label: str
     linewidth: float = 1.2
     zorder: float = 2.0
+    linestyle: Any = "-"
 
 
-_KNOWN: dict[str, PolicyStyle] = {
-    "full": PolicyStyle("#000000", "*", "Full cache"),
-    "window": PolicyStyle("#7f7f7f", "s", "Window"),
-    "streamingllm": PolicyStyle("#8c564b", "v", "StreamingLLM"),
-    "random": PolicyStyle("#bcbd22", "x", "Random"),
-    "h2o": PolicyStyle("#1f77b4", "o", "H2O"),
-    "scissorhands": PolicyStyle("#17becf", "^", "Scissorhands"),
-    "tova": PolicyStyle("#9467bd", "D", "TOVA"),
-    "roco": PolicyStyle("#d62728", "o", "RoCo", linewidth=2.4, zorder=10.0),
-    "snapkv": PolicyStyle("#2ca02c", "P", "SnapKV"),
-    "knorm": PolicyStyle("#e377c2", "<", "K-norm"),
-    "vatp": PolicyStyle("#ff7f0e", ">", "VATP"),
-    "pyramidkv": PolicyStyle("#006d2c", "h", "PyramidKV"),
-    "adakv": PolicyStyle("#6baed6", "p", "Ada-KV"),
-    "mean_window": PolicyStyle("#525252", "d", "Mean window"),
-    "accumulated_robust": PolicyStyle("#fd8d3c", "X", "Accumulated (robust)"),
+DASH_DOT: Any = (0, (4, 1.2, 1, 1.2))
+DOTTED: Any = (0, (1, 1))
+# Each named policy: a colour, a marker and a line style of its own (no two alike), so that a figure of thirty
+# lines still tells them apart; the display name comes from labels.DISPLAY_NAMES.
+_KNOWN: dict[str, tuple[str, str, Any]] = {
+    "full": ("#000000", "*", "--"),
+    "window": ("#7f7f7f", "s", "-"),
+    "streamingllm": ("#8c564b", "v", "-"),
+    "random": ("#bcbd22", "x", "-"),
+    "h2o": ("#1f77b4", "o", "-"),
+    "scissorhands": ("#17becf", "^", "-"),
+    "tova": ("#9467bd", "D", "-"),
+    "roco": ("#d62728", "o", "-"),
+    "snapkv": ("#2ca02c", "P", "-"),
+    "knorm": ("#e377c2", "<", "-"),
+    "vatp": ("#ff7f0e", ">", "-"),
+    "pyramidkv": ("#006d2c", "h", "-"),
+    "adakv": ("#6baed6", "p", "-"),
+    "mean_window": ("#525252", "d", "-"),
+    "accumulated_robust": ("#fd8d3c", "X", "-"),
+    "keydiff": ("#393b79", "o", DASH_DOT),
+    "cur": ("#8c6d31", "s", DASH_DOT),
+    "lagkv": ("#843c39", "^", DASH_DOT),
+    "leverage": ("#7b4173", "D", DASH_DOT),
+    "threshold": ("#637939", "v", DASH_DOT),
+    "cam": ("#e7969c", "P", DASH_DOT),
+    "rkv": ("#5254a3", "X", DASH_DOT),
+    "expected_attention": ("#d6616b", "h", DOTTED),
+    "criticalkv": ("#ad494a", "p", DOTTED),
+    "criticalkv_adakv": ("#6b6ecf", "<", DOTTED),
+    "chunkkv": ("#8ca252", ">", DOTTED),
+    "noncausal_attn": ("#ce6dbd", "d", DOTTED),
+    "compactor": ("#31a354", "8", DOTTED),
+    "cap": ("#bd9e39", "H", DOTTED),
 }
+_EMPHASIS = {EMPHASISED: (2.4, 10.0)}  # (line width, z-order): the method a paper argues for stands out
 
-# Colours and markers not used above, for policies the table does not name.
-_FALLBACK_COLORS = ("#393b79", "#8c6d31", "#843c39", "#7b4173", "#636363", "#b5cf6b", "#9c9ede")
-_FALLBACK_MARKERS = ("8", "H", "+", "1", "|")
+# For policies the table does not name and variants of named ones: tab20's colours (a qualitative palette large
+# enough for a sweep's variants) by three line styles and the markers below.
+_FALLBACK_COLORS = (
+    "#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728", "#ff9896", "#9467bd", "#c5b0d5",
+    "#8c564b", "#c49c94", "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5",
+)  # fmt: skip
+_FALLBACK_LINESTYLES: tuple[Any, ...] = ("-", DASH_DOT, DOTTED)
+_FALLBACK_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h", "8", "H")
+
+
+def display_name(name: str) -> str:
+    """A policy's one display name: the paper's (labels.DISPLAY_NAMES), else its score's declared label, else the
+    config name; a variant keeps what sets it apart (``H2O (window=0.75)``)."""
+    base = base_name(name)
+    shown = DISPLAY_NAMES.get(base.lower()) or (SCORES.label(base) if base in SCORES else base)
+    return shown + name[len(base) :]
+
+
+def _fallback(name: str, index: int, marker: str | None = None) -> PolicyStyle:
+    combos = len(_FALLBACK_COLORS) * len(_FALLBACK_LINESTYLES)
+    index %= combos
+    color = _FALLBACK_COLORS[index % len(_FALLBACK_COLORS)]
+    linestyle = _FALLBACK_LINESTYLES[index // len(_FALLBACK_COLORS)]
+    marker = marker or _FALLBACK_MARKERS[index % len(_FALLBACK_MARKERS)]
+    return PolicyStyle(color, marker, display_name(name), linestyle=linestyle)
 
 
 def policy_style(name: str) -> PolicyStyle:
-    """The style of ``name``; unknown names get a deterministic colour/marker from a CRC of the name, and a
-    variant of a known policy its marker and display name with a colour from a CRC of the whole label."""
+    """The style of ``name``: a named policy's own; a variant of one its marker with a colour and line style from a
+    CRC of the whole label, an unknown name all three from a CRC (stable across runs and figures)."""
     base = base_name(name)
     known = _KNOWN.get(base.lower())
     if known is not None and base == name:
-        return known
-    digest = zlib.crc32(name.encode())
-    color = _FALLBACK_COLORS[digest % len(_FALLBACK_COLORS)]
-    if known is not None:
-        return PolicyStyle(color, known.marker, known.label + name[len(base) :], known.linewidth, known.zorder)
-    shown = (SCORES.label(base) if base in SCORES else base) + name[len(base) :]
-    return PolicyStyle(color, _FALLBACK_MARKERS[(digest // len(_FALLBACK_COLORS)) % len(_FALLBACK_MARKERS)], shown)
+        width, zorder = _EMPHASIS.get(base.lower(), (1.2, 2.0))
+        color, marker, linestyle = known
+        return PolicyStyle(color, marker, display_name(name), width, zorder, linestyle)
+    return _fallback(name, zlib.crc32(name.encode()), known[1] if known else None)
+
+
+def policy_styles(names: Iterable[str]) -> dict[str, PolicyStyle]:
+    """The styles of the policies one figure draws: each its ``policy_style``, except that a hashed style which
+    repeats another's colour and line style moves to the next free combination, so no two lines look alike."""
+    ordered = sort_policies(names)
+    out = {n: policy_style(n) for n in ordered if base_name(n) == n and n.lower() in _KNOWN}
+    taken = {(s.color, str(s.linestyle)) for s in out.values()}
+    for name in (n for n in ordered if n not in out):
+        style, start = policy_style(name), zlib.crc32(name.encode())
+        step = 0
+        while (style.color, str(style.linestyle)) in taken and step < len(_FALLBACK_COLORS) * 3:
+            step += 1
+            style = _fallback(name, start + step, style.marker)
+        taken.add((style.color, str(style.linestyle)))
+        out[name] = style
+    return out
 
 
 def is_baseline(name: str) -> bool:
@@ -126,3 +182,15 @@ def direction(metric: str) -> str:
     info = metric_info(metric)
     text = "higher is better" if info.higher_is_better else "lower is better"
     return text if info.declared else f"{text}: assumed, {metric!r} is not a declared metric"
+
+
+def budget_axis_label(stage: str, unit: str = "%") -> str:
+    """What a requested budget is a share of: the prompt, except in stage=decode, where the cache also holds what
+    is generated (kvbench.budget)."""
+    reference = "prompt + max_new_tokens" if stage == Stage.decode.value else "the prompt"
+    return f"KV budget ({unit} of {reference})"
+
+
+def memory_text(gib: float) -> str:
+    """A memory amount in the unit that reads best: ``64 MiB``, ``1.5 GiB``."""
+    return f"{gib * 1024:.4g} MiB" if gib < 1 else f"{gib:.4g} GiB"

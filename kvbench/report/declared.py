@@ -1,0 +1,65 @@
+"""What a policy's config declares that the report needs: the stages kvbench refuses to run it in (a cell there is
+not missing, it cannot exist) and whether its budget is only a cap (a threshold allocation keeps what scores well,
+so its cells are placed by the budget they achieved, not the one asked for)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from kvbench.config.phases import named_policy
+from kvbench.config.spec import ConfigError
+from kvbench.policies.registry import build_policy
+from kvbench.report.labels import base_name
+from kvbench.results.schema import POLICY, SETTINGS
+
+PREFIX = "policy."
+
+
+@dataclass(frozen=True)
+class PolicyFacts:
+    refused_stages: tuple[str, ...] = ()
+    thresholded: bool = False
+
+
+def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for key in parents:
+        child = node.get(key)
+        node[key] = child = dict(child) if isinstance(child, Mapping) else {"kind": child} if child else {}
+        node = child
+    node[leaf] = value
+
+
+@functools.cache
+def facts(name: str, changes: tuple[tuple[str, Any], ...] = ()) -> PolicyFacts:
+    """The facts of ``configs/policy/<name>.yaml`` with the cell's ``policy.*`` changes; none for a name that is no
+    config (a policy registered by a user's code: nothing is assumed of it)."""
+    try:
+        config = named_policy(name)
+        for key, value in changes:
+            _set(config, key, value)
+        policy = build_policy(config)
+    except (ConfigError, ValueError, TypeError, KeyError):
+        return PolicyFacts()
+    return PolicyFacts(tuple(policy.unsupported_stages or ()), bool(policy.allocation.thresholded))
+
+
+def policy_facts(rows: pd.DataFrame) -> dict[str, PolicyFacts]:
+    """Per policy label of ``rows`` (kvbench.report.labels), the facts of the config its cells ran."""
+    out = {}
+    for label, cells in rows.groupby(POLICY, sort=False):
+        settings = cells[SETTINGS].iat[0] if SETTINGS in cells else None
+        changes = settings.items() if isinstance(settings, Mapping) else ()
+        own = tuple(sorted((k.removeprefix(PREFIX), _hashable(v)) for k, v in changes if k.startswith(PREFIX)))
+        out[str(label)] = facts(base_name(str(label)), own)
+    return out
+
+
+def _hashable(value: Any) -> Any:
+    return repr(value) if isinstance(value, (list, dict)) else value
