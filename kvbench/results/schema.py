@@ -83,6 +83,10 @@ class Measures:
     prompt_tokens: int  # tokens of the prompt (context + suffix)
     new_tokens: int  # tokens generated (or teacher-forced)
     stop_reason: str  # why decoding ended: eos, max_new_tokens, a stop string, forced
+    # One context asked several questions: true when an earlier row of the context paid for its prefill, so this
+    # row's prefill_s, ttft_s and prefill_tokens_per_s count only its question's tokens (and the copy of the
+    # compressed context); false on the row that prefilled it and on every row of other tasks.
+    prefill_shared: bool = False
 
 
 @dataclass(frozen=True)
