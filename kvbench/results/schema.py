@@ -151,7 +151,7 @@ class Row:
     """One line of rows.jsonl."""
 
     cell: CellIdentity
-    example_id: str  # the task's example id (capacity: batch=<n>)
+    example_id: str  # the task's example id (shared context: <example>/<question>; capacity: batch=<n>)
     kind: str  # example or capacity
     result: Outcome | Failure | CapacityProbe
     provenance: Provenance
@@ -166,7 +166,7 @@ class Summary:
 
     cell: CellIdentity
     primary_metric: str | None
-    n_expected: int  # examples the task has
+    n_expected: int  # rows the task gives: one per example, or per question of a shared context
     n_ok: int  # rows with status ok
     n_error: int  # rows with status error
     means: dict[str, float]  # written as mean.<column>

@@ -1,8 +1,9 @@
 """A cell's examples -> their outcomes, by the protocol their task declares: ``generate`` runs them under the
 run's policy, ``batch_size`` sequences decoded together (1: one at a time), and scores each text as soon as it is
-done (with fidelity to the full cache when asked for); a protocol whose examples run alone (``likelihood``:
-teacher-force each text, :mod:`kvbench.runner.perplexity`) has its runner in ``ALONE``. A failure becomes the
-``Failure`` of the examples it took down; the others go on."""
+done (with fidelity to the full cache when asked for); ``shared_context`` runs the same way, one row per question,
+each example's context prefilled and compressed once (:mod:`kvbench.runner.questions`); a protocol whose examples
+run alone (``likelihood``: teacher-force each text, :mod:`kvbench.runner.perplexity`) has its runner in ``ALONE``.
+A failure becomes the ``Failure`` of the examples it took down; the others go on."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from kvbench.runner import perplexity
 from kvbench.runner.fidelity.references import generation_agreement, generation_reference, wants_fidelity
 from kvbench.runner.fidelity.store import ReferenceStore
 from kvbench.runner.passes import example_settings, outcome, policy_pass, run_engine
+from kvbench.runner.questions import asked
 from kvbench.tasks.base import Example, RenderedPrompt, Task
-from kvbench.tasks.protocol import GENERATE, LIKELIHOOD
+from kvbench.tasks.protocol import GENERATE, LIKELIHOOD, SHARED_CONTEXT
 
 log = logging.getLogger("kvbench")
 
@@ -75,9 +77,11 @@ def example_outcomes(
     todo: list[Example],
     rendered: dict[str, RenderedPrompt],
     references: ReferenceStore,
+    done: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[Example, Outcome | Failure]]:
-    """Each example's outcome as it is done. An engine failure is the failure of the examples it was prefilling or
-    decoding; the others go on."""
+    """Each example's outcome as it is done (under ``shared_context``, each question's not in ``done``, as an
+    example of its own). An engine failure is the failure of the examples it was prefilling or decoding; the
+    others go on."""
     alone = ALONE.get(task.protocol.name)
     if alone is not None:
         for ex in todo:
@@ -87,8 +91,14 @@ def example_outcomes(
                 yield ex, failure(err)
         return
     engine = run_engine(lm, spec, spec.batch_size)
+    context_ids: list[str | None] = [None] * len(todo)
+    if task.protocol.name == SHARED_CONTEXT.name:
+        todo, rendered, context_ids = asked(todo, rendered, done)
     settings = [example_settings(task, spec, ex) for ex in todo]
-    requests = [Request(rendered[ex.id].input_ids, rendered[ex.id].suffix_ids, s) for ex, s in zip(todo, settings)]
+    requests = [
+        Request(rendered[ex.id].input_ids, rendered[ex.id].suffix_ids, s, context_id=c)
+        for ex, s, c in zip(todo, settings, context_ids)
+    ]
     for finished in engine.steps(requests):
         for i, result in finished:
             ex = todo[i]
@@ -109,7 +119,7 @@ ALONE: dict[str, OutcomeOf] = {LIKELIHOOD.name: perplexity.score_text}
 
 def check_protocol(task: Task) -> None:
     """Refuse, before any model loads, a task whose protocol the runner cannot run."""
-    runs = sorted([GENERATE.name, *ALONE])
+    runs = sorted([GENERATE.name, SHARED_CONTEXT.name, *ALONE])
     if task.protocol.name not in runs:
         raise ConfigError(
             f"task={task.name} declares protocol {task.protocol.name!r}, which this runner cannot run yet "

@@ -60,9 +60,4 @@ LIKELIHOOD = Protocol(
     batchable=False,
     alone="scores each text alone (teacher forcing)",
 )
-SHARED_CONTEXT = Protocol(
-    "shared_context",
-    SharedContextPrompt,
-    batchable=False,
-    alone="asks each question of one compressed context in turn",
-)
+SHARED_CONTEXT = Protocol("shared_context", SharedContextPrompt)
