@@ -21,8 +21,9 @@ from kvbench.budget import budget_tokens, too_small
 from kvbench.engine import measure
 from kvbench.engine.attention import attending, kvbench_attention_enabled
 from kvbench.engine.cache.cache import KVCache
+from kvbench.engine.contexts import Prefilled, SharedContexts
 from kvbench.engine.fused_llama import FusedLlama
-from kvbench.engine.plan import plan_layers
+from kvbench.engine.plan import LayerPlan, plan_layers
 from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
 from kvbench.engine.sequence import Generation, Request, Sequence, finished_generation, reference_length
 from kvbench.engine.settings import EngineSettings
@@ -55,6 +56,7 @@ class BatchLoop:
         self.policy, self.stage, self.batch_size = settings.policy, settings.stage, settings.batch_size
         self.device = next(model.parameters()).device
         self.sequences: list[Sequence] = []
+        self.contexts = SharedContexts()
         self.refused: list[Finished] = []  # requests that cannot run: finished by the first unit of work
         for i, request in enumerate(requests):
             try:
@@ -93,6 +95,9 @@ class BatchLoop:
         if problem:
             raise ValueError(f"budget of {problem}")
         plans = plan_layers(self.policy, tokens, self.windows, self.stage, context, suffix, new, chunk)
+        if request.context_id is not None:
+            evicts = self.stage.evicts_in(Phase.prefill)
+            self.contexts.join(request.context_id, request.input_ids, plans, evicts)
         return Sequence(index, request, plans, tokens, chunk, self.device)
 
     # -- driving -----------------------------------------------------------------------------------------------
@@ -180,30 +185,26 @@ class BatchLoop:
         return masks
 
     def _admit(self, seq: Sequence) -> None:
-        """Prefill one prompt (its chunks, then the suffix) and give the sequence a lane of the batch."""
+        """Prefill one prompt (its chunks, or its copy of a shared context, then the suffix) and give the sequence
+        a lane of the batch."""
         lane = len(self.live)
-        cache = KVCache(
-            [seq.plans],
-            self.policy,
-            lanes=1,
-            phases=(Phase.prefill, Phase.decode) if self.batch is None else (Phase.prefill,),
-            seed=seq.request.settings.seed,
-            device=self.device,
-            model=self.model,
-        )
-        cache.assign(0, seq.plans)
+        cache = self._prompt_cache([seq.plans], seq, (Phase.prefill, Phase.decode))
         request = seq.request
         seq.t0 = measure.now(self.device)
-        ids = request.input_ids
-        logits = None
-        for start in range(0, len(ids), seq.chunk):
-            chunk = [ids[start : start + seq.chunk]]
-            logits = self._forward(cache, [seq], chunk, Phase.prefill, self.stage.evicts_in(Phase.prefill))
-        seq.kept_after_prefill = cache.summary(0).kept_per_layer
+        key = request.context_id
+        if key is None:
+            logits = self._prefill_context(cache, seq)
+        else:
+            context = self.contexts.take(key)
+            seq.prefill_shared = context is not None
+            if context is None:
+                own = self._prompt_cache(self.contexts.plans[key], seq, (Phase.prefill,))
+                context = Prefilled.of(own, seq, self._prefill_context(own, seq))
+                self.contexts.keep(key, context)
+            logits = context.start(seq, cache)
         if request.suffix_ids:
             logits = self._forward(cache, [seq], [list(request.suffix_ids)], Phase.prefill, False)  # never evicted
         seq.prefill_s = measure.now(self.device) - seq.t0
-        assert logits is not None, "a prompt has at least one chunk"
         self._take(seq, logits[0])
         seq.ttft_s = measure.now(self.device) - seq.t0
         seq.peak_prefill = measure.peak_memory_bytes(self.device)
@@ -218,6 +219,31 @@ class BatchLoop:
         seq.lane = lane
         self.live.append(seq)
         self._retire([seq] if self._stop(seq) else [])
+
+    def _prompt_cache(self, plan_sets: list[list[LayerPlan]], seq: Sequence, phases: tuple[Phase, ...]) -> KVCache:
+        """A one-lane cache for a prompt (and, at batch 1, its decode), holding ``seq``'s plans."""
+        cache = KVCache(
+            plan_sets,
+            self.policy,
+            lanes=1,
+            phases=phases if self.batch is None else (Phase.prefill,),
+            seed=seq.request.settings.seed,
+            device=self.device,
+            model=self.model,
+        )
+        cache.assign(0, seq.plans)
+        return cache
+
+    def _prefill_context(self, cache: KVCache, seq: Sequence) -> torch.Tensor:
+        """Feed the prompt's context in chunks, evicting where the stage does; the last position's logits."""
+        ids = seq.request.input_ids
+        logits = None
+        for start in range(0, len(ids), seq.chunk):
+            chunk = [ids[start : start + seq.chunk]]
+            logits = self._forward(cache, [seq], chunk, Phase.prefill, self.stage.evicts_in(Phase.prefill))
+        assert logits is not None, "a prompt has at least one chunk"
+        seq.kept_after_prefill = cache.summary(0).kept_per_layer
+        return logits
 
     def _decode_step(self) -> None:
         seqs = self.live

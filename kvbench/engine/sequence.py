@@ -19,13 +19,16 @@ from kvbench.results.schema import Measures, Timings
 class Request:
     """A prompt (``suffix_ids`` are fed after the context is compressed: a question the policy must not see while
     compressing). ``forced_tokens`` teacher-forces the decode (fidelity metrics); ``replay_trace`` (another run's
-    ``trace``, used with the full cache) masks every step's past down to what that run held."""
+    ``trace``, used with the full cache) masks every step's past down to what that run held. Requests that give the
+    same ``context_id`` (and the same ``input_ids``) share one prefill of the context: each starts from its own
+    copy of the compressed context and feeds its own ``suffix_ids`` (``engine.contexts``)."""
 
     input_ids: list[int]
     suffix_ids: list[int] = field(default_factory=list)
     settings: DecodeSettings = field(default_factory=DecodeSettings)
     forced_tokens: list[int] | None = None
     replay_trace: list[list[torch.Tensor]] | None = None
+    context_id: str | None = None
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Sequence:
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     peak_prefill: tuple[int, str] = (0, "")
+    prefill_shared: bool = False  # its context was prefilled for an earlier request: it fed only its suffix
     stop_reason: str | None = None
     cache: KVCache | None = None  # the cache its lane is in, while it is live
     sampler: torch.Generator = field(init=False)
@@ -103,6 +107,7 @@ def finished_generation(
     if seq.stop_reason == "stop_string":
         text = cut_at_stop(text, request.settings.stop_strings)
     prompt_tokens = context + len(request.suffix_ids)
+    fed = len(request.suffix_ids) if seq.prefill_shared else prompt_tokens  # what its prefill seconds fed
     measures = Measures(
         budget_tokens=seq.budget_tokens,
         budget_achieved=achieved,
@@ -117,10 +122,11 @@ def finished_generation(
         peak_memory_prefill_bytes=seq.peak_prefill[0],
         peak_memory_bytes=peak[0],
         peak_memory_kind=peak[1],
-        timings=timings(seq.prefill_s, seq.ttft_s, prompt_tokens, seq.latencies, seq.step_batches),
+        timings=timings(seq.prefill_s, seq.ttft_s, fed, seq.latencies, seq.step_batches),
         prompt_tokens=prompt_tokens,
         new_tokens=len(seq.tokens),
         stop_reason=seq.stop_reason or "max_new_tokens",
+        prefill_shared=seq.prefill_shared,
     )
     return Generation(
         tokens=seq.tokens,

@@ -83,6 +83,10 @@ class Measures:
     prompt_tokens: int  # tokens of the prompt (context + suffix)
     new_tokens: int  # tokens generated (or teacher-forced)
     stop_reason: str  # why decoding ended: eos, max_new_tokens, a stop string, forced
+    # One context asked several questions: true when an earlier row of the context paid for its prefill, so this
+    # row's prefill_s, ttft_s and prefill_tokens_per_s count only its question's tokens (and the copy of the
+    # compressed context); false on the row that prefilled it and on every row of other tasks.
+    prefill_shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ class Row:
     """One line of rows.jsonl."""
 
     cell: CellIdentity
-    example_id: str  # the task's example id (capacity: batch=<n>)
+    example_id: str  # the task's example id (shared context: <example>/<question>; capacity: batch=<n>)
     kind: str  # example or capacity
     result: Outcome | Failure | CapacityProbe
     provenance: Provenance
@@ -175,7 +179,7 @@ class Summary:
 
     cell: CellIdentity
     primary_metric: str | None
-    n_expected: int  # examples the task has
+    n_expected: int  # rows the task gives: one per example, or per question of a shared context
     n_ok: int  # rows with status ok
     n_error: int  # rows with status error
     means: dict[str, float]  # written as mean.<column>

@@ -1,9 +1,9 @@
 """One cell (model × policy × budget × stage × task): validate, resume, run what is left, summarise.
 
 Everything that can be checked runs before the model loads: the config (``validate``), the cell's recorded
-config (a rerun must match it), then every prompt, rendered with the tokenizer alone. Each example's row is
-appended as soon as it is done, so a killed cell resumes after its last finished example; a failing example
-becomes an error row and the cell goes on.
+config (a rerun must match it), then every prompt, rendered with the tokenizer alone. Each example's row (one per
+question of a ``shared_context`` task) is appended as soon as it is done, so a killed cell resumes after its last
+finished row; a failing example becomes an error row and the cell goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from kvbench.runner.example import check_protocol, example_outcomes
 from kvbench.runner.fidelity.store import ReferenceStore, store_at
 from kvbench.runner.paths import run_name
 from kvbench.runner.prompts import render_all
+from kvbench.runner.questions import row_ids
 from kvbench.tasks.base import Task
+from kvbench.tasks.protocol import SHARED_CONTEXT
 from kvbench.tasks.registry import build_task
 from kvbench.tracking import Tracker
 
@@ -93,8 +95,10 @@ def fill_cell(
 ) -> dict[str, Any]:
     """The examples a cell still lacks, a row each, then its summary (tracked in wandb when configured)."""
     examples = task.examples()
-    done = results.finished_ids()
-    todo = [ex for ex in examples if ex.id not in done]
+    done = frozenset(results.finished_ids())
+    shares = task.protocol.name == SHARED_CONTEXT.name
+    expected = {ex.id: row_ids(ex, shares) for ex in examples}
+    todo = [ex for ex in examples if not done.issuperset(expected[ex.id])]
     tracker = None
     try:
         if todo:
@@ -104,15 +108,16 @@ def fill_cell(
             tags = [spec.policy.name, spec.stage, spec.task_id, spec.model["name"]]
             wandb = spec.tracking.get("wandb", {})
             tracker = Tracker(wandb, run_name(cell), results.dir, resolved, cell.sweep, tags=tags)
-            progress = tqdm(total=len(todo), desc=f"{spec.policy.name} {spec.stage} budget={spec.budget}", leave=False)
-            for ex, outcome in example_outcomes(lm, task, spec, todo, rendered, references):
+            left = sum(len(set(expected[ex.id]) - done) for ex in todo)
+            progress = tqdm(total=left, desc=f"{spec.policy.name} {spec.stage} budget={spec.budget}", leave=False)
+            for ex, outcome in example_outcomes(lm, task, spec, todo, rendered, references, done):
                 row = Row(cell, ex.id, KIND_EXAMPLE, outcome, origin)
                 results.append(row)
                 tracker.log_example(row.to_json())
                 progress.update()
             progress.close()
         rows = results.rows()
-        summary = results.write_summary(summarize(cell, rows, len(examples)))
+        summary = results.write_summary(summarize(cell, rows, sum(len(ids) for ids in expected.values())))
         if tracker is not None:
             tracker.finish(summary, rows)
         return summary

@@ -1,9 +1,10 @@
 """A cell's examples -> their outcomes, by the protocol their task declares: ``generate`` runs them under the
 run's policy, ``batch_size`` sequences decoded together (1: one at a time), each prompt ``sampling.n_samples``
 times (seeded apart, made one row by :mod:`kvbench.runner.samples`), and scores each example as soon as its
-samples are done (with fidelity to the full cache when asked for); a protocol whose examples run alone (``likelihood``:
-teacher-force each text, :mod:`kvbench.runner.perplexity`) has its runner in ``ALONE``. A failure becomes the
-``Failure`` of the examples it took down; the others go on."""
+samples are done (with fidelity to the full cache when asked for); ``shared_context`` runs the same way, one row per
+question, each example's context prefilled and compressed once (:mod:`kvbench.runner.questions`); a protocol whose
+examples run alone (``likelihood``: teacher-force each text, :mod:`kvbench.runner.perplexity`) has its runner in
+``ALONE``. A failure becomes the ``Failure`` of the examples it took down; the others go on."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ from kvbench.runner.fidelity.references import (
 )
 from kvbench.runner.fidelity.store import ReferenceStore
 from kvbench.runner.passes import example_settings, policy_pass, run_engine
+from kvbench.runner.questions import asked
 from kvbench.runner.samples import Sample, combine
 from kvbench.tasks.base import Example, RenderedPrompt, Task
-from kvbench.tasks.protocol import GENERATE, LIKELIHOOD
+from kvbench.tasks.protocol import GENERATE, LIKELIHOOD, SHARED_CONTEXT
 
 log = logging.getLogger("kvbench")
 
@@ -89,9 +91,11 @@ def example_outcomes(
     todo: list[Example],
     rendered: dict[str, RenderedPrompt],
     references: ReferenceStore,
+    done: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[Example, Outcome | Failure]]:
-    """Each example's outcome as it is done. An engine failure is the failure of the examples it was prefilling or
-    decoding; the others go on."""
+    """Each example's outcome as it is done (under ``shared_context``, each question's not in ``done``, as an
+    example of its own). An engine failure is the failure of the examples it was prefilling or decoding; the
+    others go on."""
     alone = ALONE.get(task.protocol.name)
     if alone is not None:
         for ex in todo:
@@ -101,10 +105,16 @@ def example_outcomes(
                 yield ex, failure(err)
         return
     engine = run_engine(lm, spec, spec.batch_size)
+    context_ids: list[str | None] = [None] * len(todo)
+    if task.protocol.name == SHARED_CONTEXT.name:  # every question and sample of a context shares its compression
+        todo, rendered, context_ids = asked(todo, rendered, done)
     n = spec.n_samples  # request i is sample i % n of example i // n
     settings = [example_settings(task, spec, ex, j) for ex in todo for j in range(n)]
     prompts = [rendered[todo[i // n].id] for i in range(len(settings))]
-    requests = [Request(p.input_ids, p.suffix_ids, s) for p, s in zip(prompts, settings)]
+    requests = [
+        Request(p.input_ids, p.suffix_ids, s, context_id=context_ids[i // n])
+        for i, (p, s) in enumerate(zip(prompts, settings))
+    ]
     pending: dict[int, dict[int, Generation | Exception]] = {}
     for finished in engine.steps(requests):
         for i, result in finished:
@@ -139,7 +149,7 @@ ALONE: dict[str, OutcomeOf] = {LIKELIHOOD.name: perplexity.score_text}
 
 def check_protocol(task: Task) -> None:
     """Refuse, before any model loads, a task whose protocol the runner cannot run."""
-    runs = sorted([GENERATE.name, *ALONE])
+    runs = sorted([GENERATE.name, SHARED_CONTEXT.name, *ALONE])
     if task.protocol.name not in runs:
         raise ConfigError(
             f"task={task.name} declares protocol {task.protocol.name!r}, which this runner cannot run yet "

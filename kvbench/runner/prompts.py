@@ -10,6 +10,14 @@ from kvbench.engine.sequence import reference_length
 from kvbench.families import policy_problem
 from kvbench.models import load_config, load_tokenizer
 from kvbench.tasks.base import Example, RenderedPrompt, Task, TaskError
+from kvbench.tasks.protocol import SharedContextPrompt
+
+
+def longest_suffix(prompt: RenderedPrompt) -> int:
+    """Tokens fed after the compressed context: the suffix, or the longest of one context's questions."""
+    if isinstance(prompt, SharedContextPrompt):
+        return max((len(q) for q in prompt.questions), default=0)
+    return len(prompt.suffix_ids)
 
 
 def check_model_support(spec: RunSpec) -> None:
@@ -41,15 +49,21 @@ def render_all(task: Task, examples: list[Example], spec: RunSpec) -> dict[str, 
                 f"task={task.name}: render returned a {type(prompt).__name__}; its protocol "
                 f"{task.protocol.name!r} needs a {task.protocol.prompt.__name__}"
             )
+        if isinstance(prompt, SharedContextPrompt) and (not ex.questions or len(prompt.questions) != len(ex.questions)):
+            raise ConfigError(
+                f"task={task.name}: example {ex.id} has {len(ex.questions)} questions but render gave "
+                f"{len(prompt.questions)}; a shared context asks one or more, each rendered"
+            )
         new_tokens = spec.max_new_tokens or task.generation(ex).max_new_tokens
-        total = len(prompt.input_ids) + len(prompt.suffix_ids) + new_tokens
+        suffix = longest_suffix(prompt)
+        total = len(prompt.input_ids) + suffix + new_tokens
         if limit and total > limit:
             raise ConfigError(
                 f"example {ex.id}: {total} tokens (prompt + max_new_tokens) exceed the model's limit of {limit}; "
                 "lower the task's context length or set task.max_prompt_tokens to truncate"
             )
         if spec.policy.evicts:
-            reference = reference_length(spec.stage, len(prompt.input_ids), len(prompt.suffix_ids), new_tokens)
+            reference = reference_length(spec.stage, len(prompt.input_ids), suffix, new_tokens)
             problem = too_small(budget_tokens(spec.budget, reference), spec.policy)
             if problem:
                 raise ConfigError(f"example {ex.id}: budget={spec.budget} of its {reference} tokens: {problem}")

@@ -63,9 +63,4 @@ LIKELIHOOD = Protocol(
     alone="scores each text alone (teacher forcing)",
     samples=False,
 )
-SHARED_CONTEXT = Protocol(
-    "shared_context",
-    SharedContextPrompt,
-    batchable=False,
-    alone="asks each question of one compressed context in turn",
-)
+SHARED_CONTEXT = Protocol("shared_context", SharedContextPrompt)

@@ -7,6 +7,7 @@ task refuses, a prompt of the wrong shape) is refused before any model loads.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kvbench.config import ConfigError
-from kvbench.results.writer import read_rows
+from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
+from kvbench.policies.registry import build_policy
+from kvbench.results.writer import CellResults, read_rows
 from kvbench.runner import model_cache
 from kvbench.runner.cell import run_cell
 from kvbench.tasks.base import Example, Question, RenderedPrompt, Task, TaskError
@@ -55,14 +58,24 @@ class ToyLikelihood(Toy):
         return {"nll": sum(nll) / len(nll), "nll_full": sum(nll_full) / len(nll_full)}
 
 
+QUESTIONS = {"a": [50, 51], "b": [52, 53, 54], "c": [55]}
+
+
 class ToySharedContext(Toy):
+    """Two contexts (the second a shorter text), three questions each; a question scores 1 when its references
+    reached it."""
+
     protocol = SHARED_CONTEXT
 
     def examples(self) -> list[Example]:
-        return [Example(id="c", prompt="", questions=[Question("a", "?"), Question("b", "?")])]
+        asked = [Question(q, "?", [f"ref-{q}"]) for q in QUESTIONS]
+        return [Example(id=f"t{i}", prompt="", questions=asked, meta={"i": i}) for i in range(2)]
 
     def render(self, example: Example, tokenizer: Any) -> SharedContextPrompt:
-        return SharedContextPrompt(input_ids=TEXT, questions=[[50, 51], [52, 53]])
+        return SharedContextPrompt(input_ids=TEXT[example.meta["i"] :], questions=list(QUESTIONS.values()))
+
+    def score(self, prediction: str, example: Example) -> dict[str, float]:
+        return {"score": float(example.references == [f"ref-{example.meta['question_id']}"])}
 
 
 class ToyRefusing(Toy):
@@ -122,7 +135,6 @@ def test_a_teacher_forced_task_is_scored_by_its_protocol_not_its_type(tmp_path, 
     "task, overrides, message",
     [
         ("toy_likelihood", ["batch_size=2"], "task=toy_likelihood scores each text alone (teacher forcing), so "),
-        ("toy_shared", [], "task=toy_shared declares protocol 'shared_context', which this runner cannot run yet"),
         ("toy_refusing", [], "task=toy_refusing: example t0: this example needs a longer context"),
         ("toy_shape", [], "render returned a RenderedPrompt; its protocol 'likelihood' needs a ScoredText"),
     ],
@@ -140,3 +152,66 @@ def test_the_light_error_type_needs_no_engine():
     code = "import sys, kvbench.tasks.base as b; assert issubclass(b.TaskError, ValueError); print(sorted(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "torch" not in out and "kvbench.engine" not in out and "kvbench.config" not in out
+
+
+@pytest.fixture
+def forwards(tiny, monkeypatch) -> Iterator[list[int]]:
+    """Every forward's token count from here on, as the embedding sees it; cells run on this very model."""
+    monkeypatch.setattr(model_cache, "get_model", lambda *_: tiny)
+    fed: list[int] = []
+    handle = tiny.model.get_input_embeddings().register_forward_hook(lambda _m, args, _o: fed.append(args[0].shape[1]))
+    yield fed
+    handle.remove()
+
+
+def alone_text(tiny, context: list[int], question: list[int]) -> str:
+    """A plain run of the context, compressed alone, then the question: the cell's policy, budget and stage."""
+    policy = build_policy(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / "window.yaml")))
+    request = Request(context, question, DecodeSettings(max_new_tokens=4))
+    g = Engine(tiny.model, tiny.tokenizer, EngineSettings(policy, 0.5, "prefill")).run([request])[0]
+    return g.text
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_one_context_asked_several_questions_gives_a_row_each_from_one_prefill(tmp_path, tiny, forwards, batch_size):
+    run_cell(cell_config("toy_shared", "max_new_tokens=4", f"batch_size={batch_size}"), tmp_path / "cell", "t")
+    rows = read_rows(tmp_path / "cell" / "rows.jsonl")  # in the order they finished
+    assert sorted(r["example_id"] for r in rows) == [f"t{i}/{q}" for i in range(2) for q in QUESTIONS]
+    assert forwards.count(len(TEXT)) == 1 and forwards.count(len(TEXT) - 1) == 1, forwards  # each context once
+    for row in rows:
+        example, question = row["example_id"].split("/")
+        context = TEXT[int(example[1:]) :]
+        assert row["status"] == "ok" and row["score"] == 1.0 and row["references"] == [f"ref-{question}"]
+        assert row["prediction"] == alone_text(tiny, context, QUESTIONS[question]), row["example_id"]
+        assert row["prompt_tokens"] == len(context) + len(QUESTIONS[question])
+        assert row["prefill_shared"] == (question != "a")
+    summary = json.loads((tmp_path / "cell" / "summary.json").read_text())
+    assert summary["n_ok"] == 6 and summary["n_expected"] == 6, summary
+
+
+def test_a_shared_context_cell_killed_between_questions_resumes_without_losing_or_repeating_one(
+    tmp_path, tiny, forwards, monkeypatch
+):
+    appended: list[str] = []
+    append = CellResults.append
+
+    def append_then_die(self, row):
+        append(self, row)
+        appended.append(row.example_id)
+        if len(appended) == 2:
+            raise KeyboardInterrupt  # killed after the second question of the first context
+
+    cfg = cell_config("toy_shared", "max_new_tokens=4")
+    monkeypatch.setattr(CellResults, "append", append_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_cell(cfg, tmp_path / "cell", "t")
+    monkeypatch.setattr(CellResults, "append", append)
+    forwards.clear()
+    run_cell(cfg, tmp_path / "cell", "t")
+    rows = read_rows(tmp_path / "cell" / "rows.jsonl")
+    assert [r["example_id"] for r in rows] == [f"t{i}/{q}" for i in range(2) for q in QUESTIONS]
+    assert forwards.count(len(TEXT)) == 1 and forwards.count(len(TEXT) - 1) == 1, forwards
+    assert [r["prefill_shared"] for r in rows] == [False, True, False, False, True, True]
+    for row in rows:
+        example, question = row["example_id"].split("/")
+        assert row["prediction"] == alone_text(tiny, TEXT[int(example[1:]) :], QUESTIONS[question])

@@ -268,6 +268,38 @@ def test_the_question_is_fed_after_the_compressed_context_unless_question_aware(
         assert ex_apart.meta["question_aware"] is False and ex_together.meta["question_aware"] is True
 
 
+@needs_data
+def test_asked_each_the_multiquery_keys_are_questions_of_one_context(tok, essays):
+    together, each = (make("niah_multiquery", 1024, essays, ask=ask) for ask in ("together", "each"))
+    for ex_together, ex_each in zip(together.examples(), each.examples()):
+        sample, prompt = each.fitted(ex_each, tok)
+        assert each.protocol.name == "shared_context" and together.protocol.name == "generate"
+        needles = dict((key, value) for _, key, value in NEEDLE.findall(tok.decode(prompt.input_ids)))
+        assert len(ex_each.questions) == 4 and len(prompt.questions) == 4
+        assert sorted(r for q in ex_each.questions for r in q.references) == sorted(ex_together.references)
+        for question, ids in zip(ex_each.questions, prompt.questions):
+            key = re.search(r"for (\S+) mentioned", question.text).group(1)
+            assert question.references == [needles[key]]  # the key's own needle answers it
+            whole = tok.apply_chat_template(
+                [{"role": "user", "content": sample.context + question.text}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            prefix = f"The special magic number for {key} mentioned in the provided text is"
+            assert prompt.input_ids + ids == tok(whole + prefix, add_special_tokens=False)["input_ids"]
+        longest = len(prompt.input_ids) + max(len(q) for q in prompt.questions) + 128
+        assert 0.95 * 1024 <= longest <= 1024
+
+
+def test_asking_each_needs_several_keys_and_a_context_compressed_alone():
+    with pytest.raises(TaskError, match="niah_single_1 asks one"):
+        Ruler(subset="niah_single_1", ask="each")
+    with pytest.raises(TaskError, match="use question_aware=false"):
+        Ruler(subset="niah_multiquery", ask="each", question_aware=True)
+    with pytest.raises(TaskError, match="choose together or each"):
+        Ruler(subset="niah_multiquery", ask="all")
+
+
 # ---------------------------------------------------------------- refusals
 
 

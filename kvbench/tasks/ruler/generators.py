@@ -34,6 +34,8 @@ class Sample:
     references: list[str]
     needles: list[str] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
+    # NIAH: each asked key alone, as (question, answer prefix, references) — ``task.ask=each``.
+    each: list[tuple[str, str, list[str]]] = field(default_factory=list)
 
     @property
     def context(self) -> str:
@@ -73,7 +75,8 @@ def niah(spec: t.Subtask, seed: str, size: int, essay: list[str] | None) -> Samp
     for offset, (needle, depth) in enumerate(zip(needles, depths)):
         units.insert(int((len(units) - offset) * depth / 100) + offset, needle)
     references = [value for i in asked for value in values[i]]
-    return Sample(head, joiner.join(units), "\n", question, prefix, references, needles, depths)
+    each = [(*t.niah_wording(spec.value_kind, keys[i], spec.n_values == 1)[1:], values[i]) for i in asked]
+    return Sample(head, joiner.join(units), "\n", question, prefix, references, needles, depths, each)
 
 
 def _haystack_units(

@@ -4,6 +4,8 @@ An example's questions and answers are drawn when the examples are listed (seede
 haystack is grown when it is rendered, to the largest that keeps prompt + answer tokens within the asked length.
 The context is compressed alone by default and the question fed after it (``question_aware=false``), as kvpress
 evaluates RULER, so the policy cannot know what will be asked; ``question_aware=true`` compresses the question too.
+``niah_multiquery`` asks its keys in one question, as RULER does (``ask=together``); ``ask=each`` compresses the
+context once and asks each key alone of its own copy (the ``shared_context`` protocol), a row per key.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.metrics.ruler import clean_prediction, string_match_all, string_match_part
-from kvbench.tasks.base import Example, GenerationSettings, RenderedPrompt, Task, TaskError
+from kvbench.tasks.base import Example, GenerationSettings, Question, RenderedPrompt, Task, TaskError
 from kvbench.tasks.datasets import sample_indices
 from kvbench.tasks.prompting import chat_available, render_prompt
+from kvbench.tasks.protocol import GENERATE, SHARED_CONTEXT, Protocol, SharedContextPrompt
 from kvbench.tasks.registry import register_task
 from kvbench.tasks.ruler import generators as g
 from kvbench.tasks.ruler.fit import check_close, largest_fitting
@@ -41,6 +44,7 @@ class Ruler(Task):
     haystack_dir: str | None = None  # essay haystack: a folder of .txt files; None: the hub's Paul Graham essays
     qa_path: str | None = None  # qa_1 / qa_2: a JSONL file of the hub's rows; None: the hub
     question_aware: bool = False  # true: the question is compressed with the context
+    ask: str = "together"  # each: every asked key its own question of one compressed context (niah_multiquery)
     chat_template: bool = True
     max_new_tokens: int | None = None  # None: RULER's for the subset
     _pool: QaPool | None = field(default=None, init=False, repr=False, compare=False)
@@ -51,11 +55,23 @@ class Ruler(Task):
             raise TaskError(f"unknown RULER subset {self.subset!r}; choose one of {list(SUBTASKS)}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise TaskError(f"task.n must be a whole number >= 1 (RULER's prompts are generated), not {self.n!r}")
+        if self.ask not in ("together", "each"):
+            raise TaskError(f"task.ask={self.ask!r}: choose together or each")
+        if self.ask == "each" and self.spec.n_queries < 2:
+            raise TaskError(f"task.ask=each asks several keys one by one; {self.subset} asks one (use niah_multiquery)")
+        if self.ask == "each" and self.question_aware:
+            raise TaskError(
+                "task.ask=each asks every question of one context compressed without them; use question_aware=false"
+            )
         if self.context_tokens <= self.answer_tokens:
             raise TaskError(
                 f"task.context_tokens={self.context_tokens} leaves no room for a prompt beside the answer's "
                 f"{self.answer_tokens} tokens"
             )
+
+    @property
+    def protocol(self) -> Protocol:  # type: ignore[override]  # chosen by task.ask
+        return SHARED_CONTEXT if self.ask == "each" else GENERATE
 
     @property
     def spec(self) -> Subtask:
@@ -86,12 +102,17 @@ class Ruler(Task):
             if self.spec.kind == "qa":
                 meta["item"] = picks[i]
             sample = self._builder(meta)[0](self._lowest(meta))  # what is asked does not depend on the size
+            if self.ask == "each":
+                meta["ask"] = "each"
             out.append(
                 Example(
                     id=f"{self.subset}-{i}",
                     prompt=sample.question,
                     references=sample.references,
                     question="" if self.question_aware else sample.question,
+                    questions=[Question(str(k), q, refs) for k, (q, _, refs) in enumerate(sample.each)]
+                    if self.ask == "each"
+                    else [],
                     meta=meta,
                 )
             )
@@ -144,7 +165,8 @@ class Ruler(Task):
 
         def length(size: int) -> int:
             rendered = self.prompt(build(size), tokenizer, chat)
-            return len(rendered.input_ids) + len(rendered.suffix_ids) + self.answer_tokens
+            asked = [len(q) for q in rendered.questions] if isinstance(rendered, SharedContextPrompt) else []
+            return len(rendered.input_ids) + max([len(rendered.suffix_ids), *asked]) + self.answer_tokens
 
         size = largest_fitting(length, self.context_tokens, self._lowest(example.meta), most)
         check_close(length(size), self.context_tokens)
@@ -152,6 +174,12 @@ class Ruler(Task):
         return sample, self.prompt(sample, tokenizer, chat)
 
     def prompt(self, sample: g.Sample, tokenizer: Any, chat: bool) -> RenderedPrompt:
+        if self.ask == "each":
+            asked = [
+                render_prompt(tokenizer, sample.context, q, chat=chat, max_prompt_tokens=None, answer_prefix=prefix)
+                for q, prefix, _ in sample.each
+            ]
+            return shared_context([p.input_ids + p.suffix_ids for p in asked])
         question = sample.question if not self.question_aware else ""
         context = sample.context if not self.question_aware else sample.context + sample.question
         return render_prompt(
@@ -167,3 +195,12 @@ class Ruler(Task):
     def score(self, prediction: str, example: Example) -> dict[str, float]:
         value = METRICS[self.spec.metric](prediction, example.references)
         return {"score": value, self.spec.metric: value}
+
+
+def shared_context(prompts: list[list[int]]) -> SharedContextPrompt:
+    """Whole prompts that start with one context, as that context (the ids they all start with) and each one's
+    rest: each question's ids are then exactly its whole prompt's tokenisation."""
+    common, most = 0, min(len(p) for p in prompts) - 1  # every question keeps at least one token of its own
+    while common < most and all(p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    return SharedContextPrompt(input_ids=prompts[0][:common], questions=[p[common:] for p in prompts])
