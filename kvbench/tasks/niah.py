@@ -66,7 +66,7 @@ class Niah(Task):
     question_aware: bool = False  # true: the question is compressed with the context
     chat_template: bool = True
     max_new_tokens: int = 16
-    _sentences: list[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _words: list[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -88,24 +88,29 @@ class Niah(Task):
     def validate(self) -> None:
         """The haystack is read now, so that a missing or empty folder is refused before any model loads."""
         if not self.haystack:
-            raise TaskError(f"task.haystack_dir={self.haystack_dir}: the haystack holds no sentence")
+            raise TaskError(f"task.haystack_dir={self.haystack_dir}: the haystack holds no words")
 
     @property
     def haystack(self) -> list[str]:
-        """The haystack's sentences, in the order its files are read."""
-        if self._sentences is None:
-            self._sentences = sentences(" ".join(essay_words(self.haystack_dir)))
-        return self._sentences
+        """The haystack's words, in the order its files are read."""
+        if self._words is None:
+            self._words = essay_words(self.haystack_dir)
+        return self._words
+
+    def sentence_starts(self) -> list[int]:
+        """The words that start a sentence (the first, and each after a final mark)."""
+        return [0] + [i + 1 for i, word in enumerate(self.haystack[:-1]) if word[-1] in ".!?"]
 
     def examples(self) -> list[Example]:
         """Each example's key, value and first haystack sentence are drawn from the seed and its index alone, so
         every (length, depth) cell asks for the same needles in the same text."""
+        starts = self.sentence_starts()
         out = []
         for i in range(int(self.n)):
             seed = f"niah/{self.seed}/{i}"
             content = Random(seed)
             key, value = random_value(content, "words"), random_value(content, "numbers")
-            start = content.randrange(len(self.haystack))
+            start = content.choice(starts)
             _, question, _ = niah_wording("numbers", key, True)
             meta = {"key": key, "start": start}
             out.append(
@@ -120,10 +125,10 @@ class Niah(Task):
         return out
 
     def sample(self, example: Example, size: int, tokenizer: Any) -> Sample:
-        """The example with ``size`` haystack sentences (from its first one on, wrapping around), the needle at its
-        depth."""
+        """The example with ``size`` haystack words (from its first sentence on, wrapping around; the last sentence
+        may be cut, as in RULER), the needle at its depth."""
         start = example.meta["start"]
-        parts = [self.haystack[(start + j) % len(self.haystack)] for j in range(size)]
+        parts = sentences(" ".join(self.haystack[(start + j) % len(self.haystack)] for j in range(size)))
         at = insertion_point(parts, self.depth, lambda text: len(encode(tokenizer, text)))
         head, question, prefix = niah_wording("numbers", example.meta["key"], True)
         body = " ".join(parts[:at] + [example.prompt] + parts[at:])
@@ -133,7 +138,7 @@ class Niah(Task):
         return self.fitted(example, tokenizer)[1]
 
     def fitted(self, example: Example, tokenizer: Any) -> tuple[Sample, RenderedPrompt]:
-        """The example with the most haystack sentences whose prompt, with the answer's tokens, fits
+        """The example with the most haystack words whose prompt, with the answer's tokens, fits
         ``context_tokens``: its text in parts and its ids."""
         chat = chat_available(tokenizer, self.chat_template)
 

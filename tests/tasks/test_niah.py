@@ -90,11 +90,17 @@ def test_seeds_reproduce_and_cells_share_their_needles(tok, articles):
         task = Niah(context_tokens=tokens, depth=depth, n=3, seed=seed, haystack_dir=articles)
         return [NEEDLE.search(task.fitted(ex, tok)[0].body).group() for ex in task.examples()]
 
+    def openings(tokens: int, depth: float) -> list[str]:
+        task = Niah(context_tokens=tokens, depth=depth, n=3, haystack_dir=articles)
+        return [task.fitted(ex, tok)[0].body[:80] for ex in task.examples()]
+
     assert ids(0) == ids(0)
     assert ids(0) != ids(1)
     assert len(set(needles(0, 1024, 30))) == 3  # examples differ
     assert needles(0, 1024, 30) == needles(0, 2048, 90)  # every cell of the grid asks the same
     assert needles(0, 1024, 30) != needles(1, 1024, 30)
+    assert len(set(openings(1024, 30))) == 3  # each example its own stretch of the haystack ...
+    assert openings(1024, 30) == openings(2048, 30)  # ... the same at every length
 
 
 def test_insertion_point_by_hand():
