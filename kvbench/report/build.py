@@ -24,6 +24,7 @@ from kvbench.report.aggregate import (
     with_full_baseline,
 )
 from kvbench.report.capacity import capacity_figures
+from kvbench.report.heatmap import heatmap_figures
 from kvbench.report.labels import shared_settings
 from kvbench.report.load import Loaded, load_rows
 from kvbench.report.paired import paired_differences, paired_markdown
@@ -201,6 +202,7 @@ def build_report(
     _log_coverage(log, loaded, missing, errors)
 
     sections = _write_figures(stats, column, names, sort_stages(rows[STAGE]), out_dir)
+    sections["Needle in a haystack"] = heatmap_figures(rows, out_dir)
     quality = _quantity(stats, column)
     tables_md = quality_markdown(quality, names)
     quality_csv(quality, names).to_csv(out_dir / "quality_table.csv", index=False)
