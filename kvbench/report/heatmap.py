@@ -73,10 +73,11 @@ def _heatmap(ax: Axes, panel: Panel, limits: tuple[float, float]) -> AxesImage:
     ax.set_xticks(range(len(lengths)), _ticks(lengths), rotation=90)
     ax.set_yticks(range(len(depths)), _ticks(depths))
     ax.set_xlabel("context (tokens)")
+    ax.grid(False)
     return image
 
 
-def _summary(ax: Axes, panels: list[Panel], metric: str) -> None:
+def _summary(ax: Axes, panels: list[Panel], metric: str, limits: tuple[float, float]) -> None:
     """The mean over depths (each depth weighted alike) against length: the full cache dashed, a line per budget."""
     colors = iter(LINE_COLORS * len(panels))
     for title, gid, cells in panels:
@@ -96,7 +97,8 @@ def _summary(ax: Axes, panels: list[Panel], metric: str) -> None:
     ax.set_title("mean over depths")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel(metric)
-    ax.grid(True)
+    margin = 0.05 * (limits[1] - limits[0])
+    ax.set_ylim(limits[0] - margin, limits[1] + margin)  # the colour bar's range
     ax.legend(loc="lower left", frameon=False)
 
 
@@ -125,7 +127,7 @@ def heatmap_figure(rows: pd.DataFrame, model: str, stage: str, policy: str, metr
         images = [_heatmap(ax, panel, limits) for ax, panel in zip(axes, panels)]
         axes[0].set_ylabel("needle depth (% of haystack)")
         fig.colorbar(images[0], ax=axes[: len(panels)], label=metric, shrink=0.9)
-        _summary(axes[-1], panels, metric)
+        _summary(axes[-1], panels, metric, limits)
         fig.suptitle(f"Needle in a haystack: {model}, {stage}, {policy_style(policy).label}")
     return fig
 
