@@ -19,6 +19,7 @@ from kvbench.report.aggregate import N_BOOT, cell_stats, quality_column, with_fu
 from kvbench.report.capacity import capacity_figures
 from kvbench.report.coverage import coverage, coverage_markdown, log_coverage
 from kvbench.report.declared import policy_facts
+from kvbench.report.heatmap import heatmap_figures
 from kvbench.report.labels import shared_settings
 from kvbench.report.leaderboard_plot import leaderboard_section
 from kvbench.report.load import load_rows
@@ -183,6 +184,7 @@ def build_report(
     log_coverage(log, loaded, cover)
 
     sections = _write_figures(stats, column, names, sort_stages(rows[STAGE]), out_dir)
+    sections["Needle in a haystack"] = heatmap_figures(rows, out_dir)
     quality = _quantity(stats, column)
     quality_label = metric_label(next(iter(names.values()))) if len(set(names.values())) == 1 else SCORE
     baseline = baseline or next((p for p in sort_policies(rows[POLICY]) if is_baseline(p)), None)

@@ -439,6 +439,11 @@ def test_preset_grids():
     params = ruler.hydra.sweeper.params
     assert params["task.context_tokens"] == "1024,2048,4096,8192"
     assert len(set(params["task.subset"].split(","))) == 13  # every RULER subtask
+    niah = composed("experiment=niah", hydra=True)
+    assert niah.task.name == "niah" and niah.model.name == "smollm2-135m" and not niah.task.question_aware
+    params = niah.hydra.sweeper.params
+    assert len(params["task.context_tokens"].split(",")) == 5
+    assert params["task.depth"] == "0,10,20,30,40,50,60,70,80,90,100"
 
 
 def test_launcher_presets(tmp_path, monkeypatch):

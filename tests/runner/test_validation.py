@@ -23,6 +23,7 @@ from kvbench.runner import model_cache
 
 TINY = ["model=tiny-llama", "task.n=2", "task.context_tokens=128", "task.max_new_tokens=4"]
 REFUSED = REPO / "tests" / "runner" / "refused"  # small bad input files, committed so that the doc's paths are stable
+HAYSTACK = REPO / "tests" / "runner" / "haystack"  # a few sentences of text, for refusals that come after reading it
 DOC = REPO / "docs" / "refused_inputs.md"
 
 
@@ -149,6 +150,17 @@ CASES = [
     (
         ["task=ruler", "task.subset=qa_1", "task.qa_path=/nonexistent/squad.jsonl"],
         "task.qa_path=/nonexistent/squad.jsonl does not exist; point it at a JSONL file of rajpurkar/squad_v2 rows",
+    ),
+    (["task=niah", "task.depth=150"], "task.depth=150.0 must be a percent in [0, 100] of the haystack before the"),
+    (["task=niah", "task.depth=-5"], "task.depth=-5.0 must be a percent in [0, 100]"),
+    (
+        ["task=niah", "task.haystack_dir=/nonexistent/essays"],
+        "task.haystack_dir=/nonexistent/essays is not a folder; point it at a folder of .txt files",
+    ),
+    (["task=niah", f"task.haystack_dir={REFUSED}"], "holds no non-empty .txt file; the essay haystack reads them"),
+    (
+        ["task=niah", f"task.haystack_dir={HAYSTACK}", "task.context_tokens=20000"],
+        "task=niah: task.context_tokens=20000 is longer than model=tiny-llama can hold (16384 tokens)",
     ),
     # A task's options are the fields of its dataclass: an unknown one is refused with the list, a value typed.
     (
