@@ -70,7 +70,8 @@ def summary_table(sweep_dir: Path) -> str:
         return f"no finished cells under {sweep_dir}"
     frame = label_cells(pd.DataFrame(records))  # variants of one policy or task named apart
     hybrid = mean_column(KV_RESIDENT_BYTES_SLIDING) in frame.columns
-    keep = [(src, dst, unit) for src, dst, unit in COLUMNS if src in frame.columns and (hybrid or src not in HYBRID_ONLY)]
+    shown = [c for c in COLUMNS if c[0] in frame.columns]
+    keep = [(src, dst, unit) for src, dst, unit in shown if hybrid or src not in HYBRID_ONLY]
     frame = frame[[src for src, _, _ in keep]]
     for src, _, unit in keep:
         if unit is not None:
@@ -83,7 +84,8 @@ def summary_table(sweep_dir: Path) -> str:
         [c for c in (TASK, STAGE, POLICY, BUDGET) if c in frame.columns], key=lambda s: s.astype(str)
     )
     table = frame.to_string(index=False, float_format=lambda v: f"{v:.4g}")
-    return f"{table}\n\nFigures and tables with intervals: kvbench-report {sweep_dir} --out {Path(sweep_dir) / 'report'}"
+    report = f"kvbench-report {sweep_dir} --out {Path(sweep_dir) / 'report'}"
+    return f"{table}\n\nFigures and tables with intervals: {report}"
 
 
 def failure_report(sweep_dir: Path, since: float | None = None) -> str:
