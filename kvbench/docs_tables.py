@@ -20,8 +20,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
+from kvbench.config.phases import named_policy
 from kvbench.config.schema import PolicyConfig
 from kvbench.config.store import defaults_node
+from kvbench.policies.registry import build_policy
+from kvbench.stages import Stage
 
 REPO = Path(__file__).resolve().parent.parent
 META_KEYS = ("paper", "kvpress", "data", "scored by")
@@ -126,15 +129,24 @@ def policy_table(configs: Path) -> str:
     defaults = OmegaConf.to_container(defaults_node(PolicyConfig))
     assert isinstance(defaults, dict)
     rows = [
-        "| policy | in short | score | scope | allocation | paper | kvpress |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| policy | in short | stages | score | scope | allocation | paper | kvpress |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for d in described("policy", configs):
         parts = [part(d.values.get(name, defaults[name])) for name in ("score", "scope", "allocation")]
         paper, press = cell(d.meta.get("paper", "")), d.meta.get("kvpress", "")
         press = f"`{press}`" if press else ""
-        rows.append(f"| `{d.choice}` | {cell(d.summary)} | {' | '.join(parts)} | {paper} | {press} |")
+        runs = stages(d.choice)
+        rows.append(f"| `{d.choice}` | {cell(d.summary)} | {runs} | {' | '.join(parts)} | {paper} | {press} |")
     return "\n".join(rows)
+
+
+def stages(name: str) -> str:
+    """The stages a named policy runs in, and its decode schedule when it does not evict at every step."""
+    policy = build_policy(named_policy(name))
+    runs = [s.value for s in Stage if s.value not in policy.unsupported_stages]
+    every = f" (decode: every {policy.interval} steps)" if policy.interval > 1 and "decode" in runs else ""
+    return ", ".join(runs) + every
 
 
 def task_table(configs: Path) -> str:
