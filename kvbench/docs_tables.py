@@ -10,6 +10,7 @@ they differ from the configs; ``--write`` rewrites them. ``tests/test_docs.py`` 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from kvbench.config.phases import named_policy
+from kvbench.config.phases import CONFIG_DIR, named_policy
 from kvbench.config.schema import PolicyConfig
 from kvbench.config.store import defaults_node
 from kvbench.policies.registry import build_policy
@@ -136,15 +137,27 @@ def policy_table(configs: Path) -> str:
         parts = [part(d.values.get(name, defaults[name])) for name in ("score", "scope", "allocation")]
         paper, press = cell(d.meta.get("paper", "")), d.meta.get("kvpress", "")
         press = f"`{press}`" if press else ""
-        runs = stages(d.choice)
+        runs = stages(defaults | d.values, d.choice, configs)
         rows.append(f"| `{d.choice}` | {cell(d.summary)} | {runs} | {' | '.join(parts)} | {paper} | {press} |")
     return "\n".join(rows)
 
 
-def stages(name: str) -> str:
-    """The stages a named policy runs in, and its decode schedule when it does not evict at every step."""
-    policy = build_policy(named_policy(name))
-    runs = [s.value for s in Stage if s.value not in policy.unsupported_stages]
+def stages(values: dict[Any, Any], name: str, configs: Path) -> str:
+    """The stages a policy config runs in, and its decode schedule when it does not evict at every step. A config
+    that builds only inside a run (a profile path naming the model) is composed as a run composes it, from the
+    repository root its relative paths point from; one that builds neither way gets an empty cell."""
+    try:
+        policy = build_policy(values)
+    except (ValueError, KeyError, TypeError):
+        if configs.resolve() != CONFIG_DIR.resolve():
+            return ""
+        here = Path.cwd()
+        os.chdir(CONFIG_DIR.parent)
+        try:
+            policy = build_policy(named_policy(name))
+        finally:
+            os.chdir(here)
+    runs = [s.value for s in Stage if s.value not in (policy.unsupported_stages or ())]
     every = f" (decode: every {policy.interval} steps)" if policy.interval > 1 and "decode" in runs else ""
     return ", ".join(runs) + every
 

@@ -51,7 +51,7 @@ def test_a_new_or_changed_config_changes_the_tables(tmp_path):
     assert main(["--readme", str(readme), "--configs", str(configs), "--write"]) == 0
     text = readme.read_text(encoding="utf-8")
     assert (
-        "| `keydiff` | KeyDiff: keep the keys least similar to the mean key. | `key_diff` | `all` | `uniform` | "
+        "| `keydiff` | KeyDiff: keep the keys least similar to the mean key. |  | `key_diff` | `all` | `uniform` | "
         "Park et al. 2025, [arXiv:2504.15364](https://arxiv.org/abs/2504.15364) |" in text
     )
     assert "`sinks_window` (n_sink 0, window 0.25)" in text
