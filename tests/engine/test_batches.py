@@ -143,43 +143,50 @@ def check_batch(
     tokenizer=None,
     heads: int | None = None,
 ) -> list[Generation]:
-    batched = generate_batch(
-        model, tokenizer, reqs, policy, budget, stage, batch_size, stride, return_logits=True, trace=True
-    )
+    def batch(trace: bool) -> list[Generation]:
+        return generate_batch(
+            model, tokenizer, reqs, policy, budget, stage, batch_size, stride, return_logits=True, trace=trace
+        )
+
+    def alone(r: Request, trace: bool) -> Generation:
+        settings = r.settings
+        return generate(
+            model, tokenizer, r.input_ids, policy, budget, stage, settings, r.suffix_ids, stride,
+            return_logits=True, forced_tokens=r.forced_tokens, trace=trace,
+        )  # fmt: skip
+
+    batched, traced = batch(heads is not None), None
     for i, (r, b) in enumerate(zip(reqs, batched)):
-        with scores_logged() as log:
-            alone = generate(
-                model,
-                tokenizer,
-                r.input_ids,
-                policy,
-                budget,
-                stage,
-                r.settings,
-                r.suffix_ids,
-                stride,
-                return_logits=True,
-                forced_tokens=r.forced_tokens,
-                trace=True,
-            )
         where = f"{policy.name} {stage} B={batch_size} sequence {i}"
-        parted = parting(b, alone)
-        if parted is None:
-            assert_same_as_alone(b, alone, where)
-        else:
-            forward, kept, other = parted
-            assert_parted_at_a_tie(log, kept, other, where)
-            chunks = len(alone.trace) - len(alone.tokens) + 1  # the prompt's forwards; the last gives token 0
-            agreed = forward - chunks + 2  # tokens whose logits come from forwards up to the parting one
-            assert b.tokens[:agreed] == alone.tokens[:agreed], where
-            torch.testing.assert_close(
-                b.logits[:agreed], alone.logits[:agreed], rtol=0, atol=TOL * float(alone.logits.abs().max())
-            )
+        one = alone(r, False)
+        if not same_as_alone(b, one):  # traced again, to see whether the kept sets parted at a score tie
+            traced = traced or batch(True)
+            with scores_logged() as log:
+                one = alone(r, True)
+            parted = parting(traced[i], one)
+            if parted is None:
+                assert_same_as_alone(b, one, where)
+            else:
+                forward, kept, other = parted
+                assert_parted_at_a_tie(log, kept, other, where)
+                chunks = len(one.trace) - len(one.tokens) + 1  # the prompt's forwards; the last gives token 0
+                agreed = forward - chunks + 2  # tokens whose logits come from forwards up to the parting one
+                assert b.tokens[:agreed] == one.tokens[:agreed], where
+                tol = TOL * float(one.logits.abs().max())
+                torch.testing.assert_close(b.logits[:agreed], one.logits[:agreed], rtol=0, atol=tol)
         assert b.batch_size == batch_size and len(b.decode_batch_sizes) == len(b.tokens) - 1
         if heads is not None and policy.evicts:
             chunks = -(-len(r.input_ids) // (stride or len(r.input_ids)))
             assert_within_budget(b, heads, policy.allocation.per_head, stage, chunks, where, policy.interval)
     return batched
+
+
+def same_as_alone(batched: Generation, alone: Generation) -> bool:
+    try:
+        assert_same_as_alone(batched, alone, "")
+    except AssertionError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("name", NAMED)
