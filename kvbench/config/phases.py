@@ -62,6 +62,17 @@ def resolve_phases(policy: dict[str, Any], stage: Stage) -> dict[str, Any]:
             f"{given} names a policy per phase, which needs stage=both (stage={stage} evicts in one phase: name "
             "that policy with policy=... instead)"
         )
+    if policy.get("name") == "full":  # the run's policy= is the other phase's, and the cache's layout
+        other = "decode" if "prefill" in named else "prefill"
+        example = (
+            f"policy={named['prefill']} policy.decode={named['decode']}"
+            if len(named) == 2
+            else f"policy=<the {other} phase's policy> {given}"
+        )
+        raise ConfigError(
+            f"{given} needs the run's own policy=NAME: it rules the other phase and gives the cache its allocation "
+            f"and extras (the default policy=full evicts in neither phase); e.g. {example}"
+        )
     out = dict(policy)
     for phase, name in named.items():
         try:

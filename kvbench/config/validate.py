@@ -41,10 +41,17 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     unsupported = policy.unsupported_stages or ()
     if run.stage in unsupported:
         allowed = [s.value for s in Stage if s not in unsupported]
-        raise ConfigError(f"policy={policy.name} cannot run in stage={run.stage}; use stage in {allowed}")
-    if run.stride is not None and policy.whole_prompt:
+        compresses_prompts = run.stage is Stage.both and "prefill" not in unsupported
+        phases = " (or keep stage=both and name a policy for the decode phase: policy.decode=h2o)"
         raise ConfigError(
-            f"policy={policy.name} scores the prompt from every prompt query, so it needs the prompt in one step; "
+            f"policy={policy.name} cannot run in stage={run.stage}; use stage in {allowed}"
+            + (phases if compresses_prompts else "")
+        )
+    if run.stride is not None and policy.whole_prompt:
+        prefill = policy_cfg.get("prefill")
+        who = f"policy.prefill={prefill['name']}" if isinstance(prefill, dict) else f"policy={policy.name}"
+        raise ConfigError(
+            f"{who} scores the prompt from every prompt query, so it needs the prompt in one step; "
             f"use stride=null (not stride={run.stride})"
         )
     model = plain(run.model)

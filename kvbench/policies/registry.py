@@ -202,7 +202,10 @@ def _per_phase(cfg: dict[str, Any], phases: dict[str, Any]) -> Policy:
         if not policy.evicts:
             raise ValueError(f"{label} never evicts; a phase that keeps everything is stage=prefill or stage=decode")
         if phase in (policy.unsupported_stages or ()):
-            raise ValueError(f"{label} cannot evict in the {phase} phase: {policy.why_unsupported}")
+            raise ValueError(
+                f"{label} cannot evict in the {phase} phase: {policy.why_unsupported}; name a policy that evicts "
+                f"there for policy.{phase}"
+            )
         ours, theirs = (_options((c or {}).get("allocation") or "uniform") for c in (cfg, spec))
         if spec and ours != theirs:
             raise ValueError(

@@ -214,6 +214,15 @@ CASES = [
         ["stage=both", "policy=h2o", "policy.decode=snapkv"],
         "policy=h2o: policy.decode=snapkv cannot evict in the decode phase: SnapKV scores the prompt",
     ),
+    (
+        ["stage=both", "policy.prefill=cap", "policy.decode=h2o"],
+        "policy.prefill=cap policy.decode=h2o needs the run's own policy=NAME: it rules the other phase",
+    ),
+    (
+        ["stage=both", "policy=cap"],
+        "policy=cap cannot run in stage=both; use stage in ['prefill'] (or keep stage=both and name a policy for the "
+        "decode phase: policy.decode=h2o)",
+    ),
     # Policy.unsupported_stages: SnapKV scores from the prompt's observation window, so it only compresses a prompt.
     (["policy=snapkv", "stage=decode"], "policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']"),
     (["policy=chunkkv", "policy.score.chunk=0"], "policy=chunkkv: chunkkv chunk=0 must be at least 1 token"),
