@@ -138,7 +138,8 @@ CASES = [
     (["task=longbench", "task.subset=klingon"], "unknown LongBench subset 'klingon'"),
     (
         ["task=longbench", "task.ask=each"],
-        "task.ask=each compresses each context once, before any of its questions is seen; add task.question_aware=false",
+        "task.ask=each compresses each context once, before any of its questions is seen; "
+        "add task.question_aware=false",
     ),
     (["task=retrieval", "task.needle=haystack"], "task.needle must be 'passkey' or 'kv', not 'haystack'"),
     (["task=ruler", "task.subset=niah_single_9"], "unknown RULER subset 'niah_single_9'; choose one of"),
