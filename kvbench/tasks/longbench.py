@@ -3,18 +3,24 @@
 Per subset this keeps what decides the score (metric, max new tokens, first-line cut, chat template
 or not, samsum's newline stop) as THUDM/LongBench has it; the prompt wording is kvbench's own.
 Each prompt is ``head + context`` then ``tail`` (with the row's ``input`` in it), and the tail is
-what ``question_aware=false`` feeds after the context has been compressed.
+what ``question_aware=false`` feeds after the context has been compressed. ``ask=each`` groups the rows that
+share a context into one example whose context is compressed once and whose rows' questions are each asked of
+their own copy (:mod:`kvbench.tasks.shared_rows`), a row per question; ``n`` then counts contexts.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.metrics.longbench import METRICS, best_over_references, first_line
-from kvbench.tasks.base import Example, GenerationSettings, TaskError
-from kvbench.tasks.datasets import DatasetTask
+from kvbench.tasks.base import Example, GenerationSettings, Question, RenderedPrompt, TaskError
+from kvbench.tasks.datasets import DatasetTask, sample_indices
+from kvbench.tasks.prompting import render_prompt
+from kvbench.tasks.protocol import GENERATE, SHARED_CONTEXT, Protocol
 from kvbench.tasks.registry import register_task
+from kvbench.tasks.shared_rows import group_rows, shared_prompt
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,7 @@ class LongBench(DatasetTask):
     primary_metric = "score"
 
     subset: str = "narrativeqa"
+    ask: str = "together"  # each: rows sharing a context are one example, its context compressed once
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -169,6 +176,17 @@ class LongBench(DatasetTask):
             raise TaskError(f"unknown LongBench subset {self.subset!r}; choose one of {list(SUBSETS)}")
         if self.split != "test":
             raise TaskError(f"LongBench has only a 'test' split, not {self.split!r}")
+        if self.ask not in ("together", "each"):
+            raise TaskError(f"task.ask={self.ask!r}: choose together (a row each) or each (a context asked each row)")
+        if self.ask == "each" and self.question_aware:
+            raise TaskError(
+                "task.ask=each compresses each context once, before any of its questions is seen; "
+                "add task.question_aware=false"
+            )
+
+    @property
+    def protocol(self) -> Protocol:  # type: ignore[override]  # chosen by task.ask
+        return SHARED_CONTEXT if self.ask == "each" else GENERATE
 
     @property
     def spec(self) -> Subset:
@@ -181,22 +199,54 @@ class LongBench(DatasetTask):
         return f"longbench/{self.subset}"
 
     def make_example(self, record: dict[str, Any], index: int) -> Example:
-        meta = {
-            "index": index,
-            "subset": self.subset,
-            "all_classes": record.get("all_classes"),
-            "length": record.get("length"),
-            "language": record.get("language"),
-        }
-        columns = self.columns
-        assert columns.reference is not None  # required_columns
         return self.compose(
-            record.get(columns.id or "") or f"{self.subset}-{index}",
-            self.spec.head + record[columns.text],
-            self.spec.tail.replace("{input}", record.get(columns.question or "") or ""),
-            list(record[columns.reference]),
-            meta,
+            self._row_id(record, index),
+            self.spec.head + record[self.columns.text],
+            self._asked(record),
+            self._answers(record),
+            self._meta(record, index),
         )
+
+    def examples(self) -> list[Example]:
+        if self.ask != "each":
+            return super().examples()
+        rows = self.records()
+        # The class list is part of the key: the classification metric reads it per example.
+        groups = group_rows([(r[self.columns.text], json.dumps(r.get("all_classes"))) for r in rows])
+        return [self._shared(rows, groups[g]) for g in sample_indices(len(groups), self.n, self.seed)]
+
+    def _shared(self, rows: list[dict[str, Any]], indices: list[int]) -> Example:
+        """The rows ``indices`` (one context) as one example: its id the first row's, a question per row."""
+        first = rows[indices[0]]
+        asked = [Question(self._row_id(rows[i], i), self._asked(rows[i]), self._answers(rows[i])) for i in indices]
+        meta = {**self._meta(first, indices[0]), "rows": indices}
+        return Example(
+            self._row_id(first, indices[0]), self.spec.head + first[self.columns.text], questions=asked, meta=meta
+        )
+
+    def _row_id(self, record: dict[str, Any], index: int) -> str:
+        return str(record.get(self.columns.id or "") or f"{self.subset}-{index}")
+
+    def _asked(self, record: dict[str, Any]) -> str:
+        return self.spec.tail.replace("{input}", record.get(self.columns.question or "") or "")
+
+    def _answers(self, record: dict[str, Any]) -> list[str]:
+        assert self.columns.reference is not None  # required_columns
+        return list(record[self.columns.reference])
+
+    def _meta(self, record: dict[str, Any], index: int) -> dict[str, Any]:
+        keys = ("all_classes", "length", "language")
+        return {"index": index, "subset": self.subset, **{key: record.get(key) for key in keys}}
+
+    def render(self, example: Example, tokenizer: Any) -> RenderedPrompt:
+        if self.ask != "each":
+            return super().render(example, tokenizer)
+        chat = self.uses_chat(example, tokenizer)
+        asked = [
+            render_prompt(tokenizer, example.prompt, q.text, chat=chat, max_prompt_tokens=None)
+            for q in example.questions
+        ]
+        return shared_prompt(asked, self.max_prompt_tokens)
 
     def uses_chat(self, example: Example, tokenizer: Any) -> bool:
         return self.spec.chat and super().uses_chat(example, tokenizer)

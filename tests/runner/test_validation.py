@@ -136,6 +136,11 @@ CASES = [
         "/nonexistent/xsum/test.jsonl does not exist. Set task.data_dir=... to a folder holding test.jsonl",
     ),
     (["task=longbench", "task.subset=klingon"], "unknown LongBench subset 'klingon'"),
+    (
+        ["task=longbench", "task.ask=each"],
+        "task.ask=each compresses each context once, before any of its questions is seen; "
+        "add task.question_aware=false",
+    ),
     (["task=retrieval", "task.needle=haystack"], "task.needle must be 'passkey' or 'kv', not 'haystack'"),
     (["task=ruler", "task.subset=niah_single_9"], "unknown RULER subset 'niah_single_9'; choose one of"),
     (["task=ruler", "task.context_tokens=20000"], "task.context_tokens=20000 is longer than model=tiny-llama can hold"),
