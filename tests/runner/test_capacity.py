@@ -68,7 +68,7 @@ def test_a_capacity_cell_probes_real_batches_and_reports(tmp_path):
     for stem in ("capacity_tokens_per_s_vs_budget", "capacity_max_batch_vs_budget", "capacity_tokens_per_s_vs_batch"):
         assert stem in report
         assert list((tmp_path / "report").glob(f"{stem}_*.pdf"))
-    assert "| tiny-llama | retrieval | both | 64 GiB | H2O | 25% | 3 |" in report  # the cap in its unit, the display name
+    assert "| tiny-llama | retrieval | both | 64 GiB | H2O | 25% | 3 |" in report  # the cap in GiB, the display name
 
 
 @pytest.mark.parametrize(
