@@ -15,7 +15,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from kvbench.report.declared import PolicyFacts
 from kvbench.report.leaderboard import MEAN_TASK, baseline_levels, mean_points, paired_over_tasks, task_points
-from kvbench.report.plots import LegendHandles, finish_panels, panel_grid
+from kvbench.report.plots import LegendHandles, finish_panels, panel_grid, policy_line
 from kvbench.report.style import PAPER_RC, display_name, policy_styles, sort_policies, sort_stages
 from kvbench.report.tables import markdown_table
 from kvbench.results.schema import BUDGET, MODEL, POLICY, STAGE, TASK
@@ -61,21 +61,7 @@ def leaderboard_figure(points: pd.DataFrame, levels: pd.DataFrame, stage: str, y
             panel = staged[staged[MODEL].eq(model) & staged[TASK].eq(task)]
             for policy in sort_policies(panel[POLICY]):
                 cells, style = panel[panel[POLICY].eq(policy)].sort_values("ratio"), styles[policy]
-                bars = ax.errorbar(
-                    cells["ratio"],
-                    cells["y"],
-                    yerr=np.vstack([cells["y"] - cells["ci_low"], cells["ci_high"] - cells["y"]]),
-                    color=style.color,
-                    marker=style.marker,
-                    lw=style.linewidth,
-                    ls=style.linestyle,
-                    elinewidth=0.6,
-                    capsize=1.5,
-                    zorder=style.zorder,
-                    label=style.label,
-                )
-                bars.lines[0].set_gid(policy)
-                handles.setdefault(policy, bars)
+                handles.setdefault(policy, policy_line(ax, cells["ratio"], cells, style, policy, elinewidth=0.6))
             _ratio_axis(ax, staged["ratio"])
         finish_panels(fig, axes, models, ratio_label(stage), ylabel, handles)
     return fig

@@ -104,21 +104,7 @@ def _draw_budget_panel(
             )
             handles.setdefault(policy, line)
             continue
-        bars = ax.errorbar(
-            cells["x"],
-            cells["y"],
-            yerr=np.vstack([cells["y"] - cells["ci_low"], cells["ci_high"] - cells["y"]]),
-            color=style.color,
-            marker=style.marker,
-            lw=style.linewidth,
-            ls=style.linestyle,
-            elinewidth=0.7,
-            capsize=1.5,
-            zorder=style.zorder,
-            label=style.label,
-        )
-        bars.lines[0].set_gid(policy)
-        handles.setdefault(policy, bars)
+        handles.setdefault(policy, policy_line(ax, cells["x"], cells, style, policy, elinewidth=0.7))
 
 
 def budget_figure(stats: pd.DataFrame, stage: str, ylabel: str, titles: Mapping[str, str] | None = None) -> Figure:
@@ -212,3 +198,22 @@ def save_figure(fig: Figure, out_dir: Path, stem: str) -> list[Path]:
         fig.savefig(paths[0], dpi=300)
         fig.savefig(paths[1])
     return paths
+
+
+def policy_line(ax: Any, x: Any, cells: pd.DataFrame, style: Any, policy: str, elinewidth: float) -> Any:
+    """One policy's points (``cells``' y with its interval) in its style, tagged with its name (``gid``)."""
+    bars = ax.errorbar(
+        x,
+        cells["y"],
+        yerr=np.vstack([cells["y"] - cells["ci_low"], cells["ci_high"] - cells["y"]]),
+        color=style.color,
+        marker=style.marker,
+        lw=style.linewidth,
+        ls=style.linestyle,
+        elinewidth=elinewidth,
+        capsize=1.5,
+        zorder=style.zorder,
+        label=style.label,
+    )
+    bars.lines[0].set_gid(policy)
+    return bars
