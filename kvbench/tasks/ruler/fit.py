@@ -42,6 +42,6 @@ def check_close(length: int, limit: int) -> None:
     if length < (1 - SLACK) * limit:
         raise TaskError(
             f"the longest example that fits is {length} tokens, more than {SLACK:.0%} below the asked {limit}: "
-            "the haystack is too small for this length (use more text in task.haystack_dir, or a shorter "
-            "task.context_tokens)"
+            "the haystack is too small for this length, or grows in steps too coarse for this tokenizer (use more "
+            "text in task.haystack_dir for an essay haystack, or another task.context_tokens)"
         )
