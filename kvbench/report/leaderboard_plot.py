@@ -31,6 +31,7 @@ def ratio_label(stage: str) -> str:
 
 
 def _ratio_axis(ax, ratios: pd.Series) -> None:
+    ratios = pd.to_numeric(ratios, errors="coerce").astype(float)  # object-typed when cells mix row versions
     finite = ratios[np.isfinite(ratios)]
     low = min(LOWEST, float(finite.min())) if len(finite) else LOWEST
     high = max(HIGHEST, float(finite.max())) if len(finite) else HIGHEST

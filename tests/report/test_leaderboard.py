@@ -169,3 +169,16 @@ def test_served_points_take_the_largest_batch_that_fit_and_the_matching_quality(
     assert found.loc[("h2o", 0.25), "y"] == pytest.approx(np.mean([1, 0, 1, 0]))  # task a only
     assert found.loc[("full", 1.0), "y"] == pytest.approx(np.mean([1, 1, 1, 0]))  # the full cache: any stage
     assert unmatched.values.tolist() == [["m", "a", "prefill", "h2o", 0.5]]
+
+
+def test_the_ratio_axis_takes_ratios_of_object_dtype() -> None:
+    """Cells written by different versions can leave the ratio column of dtype object; the axis still spans them."""
+    import matplotlib.pyplot as plt
+
+    from kvbench.report.leaderboard_plot import _ratio_axis
+
+    fig, ax = plt.subplots()
+    _ratio_axis(ax, pd.Series([4.0, None, 64.0], dtype=object))
+    low, high = ax.get_xlim()
+    assert low < 2 and 64 < high
+    plt.close(fig)
