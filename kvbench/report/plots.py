@@ -7,6 +7,7 @@ name as its ``gid`` so tests and tools can find it without parsing labels.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,9 @@ def panel_grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | 
     width = SINGLE_COLUMN_IN if len(tasks) == 1 else WIDE_IN
     fig = Figure(figsize=(width, PANEL_HEIGHT_IN * len(models) + 0.4), layout="constrained")
     axes = fig.subplots(len(models), len(tasks), squeeze=False)
-    for j, task in enumerate(tasks):
-        axes[0, j].set_title((titles or {}).get(task, task))
+    for j, task in enumerate(tasks):  # wrapped to the panel's width: a task's settings can make a long name
+        title = (titles or {}).get(task, task)
+        axes[0, j].set_title(textwrap.fill(title, width=max(24, 72 // len(tasks)), break_long_words=False))
     return fig, axes
 
 
