@@ -141,3 +141,27 @@ def task_from_config(name: str, **options: Any) -> Task:
     task = build_task({**cfg, **options})
     assert isinstance(task, Task)
     return task
+
+
+@pytest.fixture
+def forwards(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Every forward's token count from here on, as the embedding sees it; cells run on this very model (how
+    compress-once tests count the prefills of a context)."""
+    from kvbench.runner import model_cache
+
+    monkeypatch.setattr(model_cache, "get_model", lambda *_: tiny)
+    fed: list[int] = []
+    handle = tiny.model.get_input_embeddings().register_forward_hook(lambda _m, args, _o: fed.append(args[0].shape[1]))
+    yield fed
+    handle.remove()
+
+
+def alone_text(tiny: LoadedModel, context: list[int], question: list[int]) -> str:
+    """A plain run of the context, compressed alone by ``window`` at budget 0.5 in stage prefill, then the question:
+    what a compress-once cell with those settings must answer."""
+    from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
+    from kvbench.policies.registry import build_policy
+
+    policy = build_policy(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / "window.yaml")))
+    request = Request(context, question, DecodeSettings(max_new_tokens=4))
+    return Engine(tiny.model, tiny.tokenizer, EngineSettings(policy, 0.5, "prefill")).run([request])[0].text

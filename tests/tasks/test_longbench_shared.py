@@ -9,19 +9,14 @@ tokenizer's own rendering of each row's whole prompt.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CONFIG_DIR, task_from_config
+from conftest import CONFIG_DIR, alone_text, task_from_config
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
-from kvbench.policies.registry import build_policy
 from kvbench.results.writer import read_rows
-from kvbench.runner import model_cache
 from kvbench.runner.cell import run_cell
 from kvbench.tasks.base import Task, TaskError
 from kvbench.tasks.longbench import SUBSETS
@@ -132,25 +127,10 @@ def test_asking_each_question_needs_the_questions_fed_after_compression():
         task_from_config("longbench", subset=SUBSET, ask="both", question_aware=False)
 
 
-@pytest.fixture
-def forwards(tiny, monkeypatch) -> Iterator[list[int]]:
-    """Every forward's token count from here on, as the embedding sees it; cells run on this very model."""
-    monkeypatch.setattr(model_cache, "get_model", lambda *_: tiny)
+def test_a_cell_asking_each_writes_a_row_per_question_from_one_prefill_per_context(
+    tmp_path, tiny, forwards, monkeypatch
+):
     monkeypatch.setenv("KVBENCH_REFERENCES", "refs")
-    fed: list[int] = []
-    handle = tiny.model.get_input_embeddings().register_forward_hook(lambda _m, args, _o: fed.append(args[0].shape[1]))
-    yield fed
-    handle.remove()
-
-
-def alone_text(tiny, context: list[int], question: list[int]) -> str:
-    """The context compressed alone by the cell's policy and budget, then the question: a run of its own."""
-    policy = build_policy(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / "window.yaml")))
-    request = Request(context, question, DecodeSettings(max_new_tokens=4))
-    return Engine(tiny.model, tiny.tokenizer, EngineSettings(policy, 0.5, "prefill")).run([request])[0].text
-
-
-def test_a_cell_asking_each_writes_a_row_per_question_from_one_prefill_per_context(tmp_path, tiny, forwards):
     task = longbench(write_rows(tmp_path, ROWS))
     prompts = {ex.id: task.render(ex, tiny.tokenizer) for ex in task.examples()}
     predicted = {

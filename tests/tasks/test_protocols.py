@@ -14,13 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONFIG_DIR
+from conftest import CONFIG_DIR, alone_text
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kvbench.config import ConfigError
-from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
-from kvbench.policies.registry import build_policy
 from kvbench.results.writer import CellResults, read_rows
 from kvbench.runner import model_cache
 from kvbench.runner.cell import run_cell
@@ -152,24 +150,6 @@ def test_the_light_error_type_needs_no_engine():
     code = "import sys, kvbench.tasks.base as b; assert issubclass(b.TaskError, ValueError); print(sorted(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "torch" not in out and "kvbench.engine" not in out and "kvbench.config" not in out
-
-
-@pytest.fixture
-def forwards(tiny, monkeypatch) -> Iterator[list[int]]:
-    """Every forward's token count from here on, as the embedding sees it; cells run on this very model."""
-    monkeypatch.setattr(model_cache, "get_model", lambda *_: tiny)
-    fed: list[int] = []
-    handle = tiny.model.get_input_embeddings().register_forward_hook(lambda _m, args, _o: fed.append(args[0].shape[1]))
-    yield fed
-    handle.remove()
-
-
-def alone_text(tiny, context: list[int], question: list[int]) -> str:
-    """A plain run of the context, compressed alone, then the question: the cell's policy, budget and stage."""
-    policy = build_policy(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / "window.yaml")))
-    request = Request(context, question, DecodeSettings(max_new_tokens=4))
-    g = Engine(tiny.model, tiny.tokenizer, EngineSettings(policy, 0.5, "prefill")).run([request])[0]
-    return g.text
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])
