@@ -8,8 +8,6 @@ the full cache the reference is the family's ``generate`` over context + questio
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from conftest import tiny_policy_cfg
@@ -35,15 +33,6 @@ def shared(context, questions, key: str = "c", **settings) -> list[Request]:
 
 def alone(context, questions, **settings) -> list[Request]:
     return [Request(context, q, DecodeSettings(max_new_tokens=n, **settings)) for q, n in zip(questions, NEW)]
-
-
-@pytest.fixture
-def forwards(tiny) -> Iterator[list[int]]:
-    """Every forward's token count from here on, as the embedding sees it (the fused forward and the modules')."""
-    fed: list[int] = []
-    handle = tiny.model.get_input_embeddings().register_forward_hook(lambda _m, args, _o: fed.append(args[0].shape[1]))
-    yield fed
-    handle.remove()
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
