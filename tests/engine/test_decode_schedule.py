@@ -7,12 +7,15 @@ import pytest
 import torch
 from conftest import tiny_policy_cfg
 from engine_run import generate, generate_batch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvbench.engine.engine import DecodeSettings, Request
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.recency import Recency
+from kvbench.policies.scores.snapkv import SnapKV
+from kvbench.policies.state import TokenState
 
 NEW = 16
 
@@ -101,3 +104,70 @@ def test_interval_one_is_every_step_and_a_budget_of_the_length_changes_nothing(t
 def test_an_interval_below_one_is_refused(bad):
     with pytest.raises(ValueError, match="interval=.* must be a positive integer"):
         Policy("window", Recency(), All(), interval=bad)
+
+
+class LogChecked(SnapKV):
+    """SnapKV whose every decode eviction checks the query log it reads against the family's own attention: for
+    layer 0's rows, the summed rows of the last ``window`` queries over the held entries, each query's softmax (mean
+    over its group's heads) taken over the entries held at or before its position (no eviction since: the
+    interval outlasts the window)."""
+
+    def __init__(self, window: int, queries: list[torch.Tensor], heads: int) -> None:
+        super().__init__(window=window, kernel_size=1)
+        self.recorded, self.heads, self.checked = queries, heads, 0
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        if state.phase == "decode":
+            every = torch.cat(self.recorded, dim=2)[0]  # [Hq, positions fed, D], rotated as the model attends
+            fed = every.shape[1]
+            group = every.shape[0] // self.heads
+            for r, key in enumerate(state.row_keys.flatten().tolist()):
+                if key >= self.heads:  # layer 0 only: its queries are the ones recorded
+                    continue
+                held = state.valid_mask()[r]
+                keys, positions = state.keys[r, held].double(), state.positions[r, held]
+                expected = torch.zeros(len(positions), dtype=torch.float64)
+                for t in range(fed - self.window, fed):
+                    seen = positions <= t
+                    q = every[key * group : (key + 1) * group, t].double()  # the group's query heads
+                    probs = torch.softmax(q @ keys[seen].T / q.shape[-1] ** 0.5, dim=-1).mean(dim=0)
+                    expected[seen] += probs
+                got = state.stats["qlog"][r].sum(dim=0)[held].double()
+                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            self.checked += 1
+        return super().__call__(state)
+
+
+@pytest.mark.parametrize("interval", [9, 13])
+def test_the_query_log_before_a_scheduled_eviction_is_the_last_window_of_queries(tiny, random_ids, interval):
+    """A decode step logs its queries only within the log's length before its eviction (docs/perf/methods.md):
+    the log read at each eviction still holds the last ``window`` queries' attention, checked against queries
+    taken from the model's own layer-0 attention (its projection and rotary embedding)."""
+    attention = tiny.model.model.layers[0].self_attn
+    queries: list[torch.Tensor] = []
+
+    def record(module, args, kwargs) -> None:
+        hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
+        q = module.q_proj(hidden).view(*hidden.shape[:2], -1, module.head_dim).transpose(1, 2)
+        queries.append(apply_rotary_pos_emb(q, q, cos, sin)[0].detach())
+
+    window, heads = 4, tiny.model.config.num_key_value_heads
+    policy = build_policy(tiny_policy_cfg("snapkv", interval=interval, score={"window": window}))
+    score = LogChecked(window, queries, heads)
+    policy.score = score
+    hook = attention.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        g = generate(
+            tiny.model,
+            None,
+            random_ids(24, seed=5),
+            policy,
+            10,
+            "both",
+            DecodeSettings(max_new_tokens=2 * interval + 2),
+            stride=8,
+            fused=False,
+        )
+    finally:
+        hook.remove()
+    assert len(g.tokens) == 2 * interval + 2 and score.checked == 2  # both scheduled decode evictions checked

@@ -40,6 +40,7 @@ class Evictor:
     ):
         self.plans, self.policies, self.seed, self.interval = list(plans), list(policies), seed, interval
         self.inputs = inputs  # the score's declared weights, and the step's queries its layers left there
+        self.history = max((p.history for p in policies), default=0)  # the query log's length, in steps
         self.budgets: list[list[int | None]] = [[None] * lanes for _ in plans]
         self.seen = [0] * lanes
         self.waited = [0] * lanes  # decode steps since the lane's last evicting one
@@ -58,6 +59,12 @@ class Evictor:
             self.budgets[layer][dst] = source.budgets[layer][src]
         self.seen[dst] = source.seen[src]
         self.waited[dst] = source.waited[src]
+
+    def logs(self, lanes: range) -> bool:
+        """Whether a decode step of ``lanes`` must log its queries: some lane evicts within the log's length of
+        steps (this one included). The log is a ring by position, so the steps logged before an eviction fill it
+        as logging every step would."""
+        return self.interval == 1 or any(self.interval - self.waited[lane] <= self.history for lane in lanes)
 
     def due(self, step: Step) -> list[bool]:
         """Whether each of the step's lanes evicts in it: every prompt chunk of an evicting stage, and every
