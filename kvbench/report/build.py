@@ -26,7 +26,14 @@ from kvbench.report.load import load_rows
 from kvbench.report.paired import paired_differences, paired_markdown
 from kvbench.report.plots import budget_figure, pareto_figure, save_figure
 from kvbench.report.served import served_plots, served_points
-from kvbench.report.style import is_baseline, lower_is_better, metric_label, sort_policies, sort_stages
+from kvbench.report.style import (
+    display_name,
+    is_baseline,
+    lower_is_better,
+    metric_label,
+    sort_policies,
+    sort_stages,
+)
 from kvbench.report.tables import quality_csv, quality_markdown
 from kvbench.results.schema import (
     DECODE_MS_MEAN,
@@ -114,7 +121,8 @@ def _served_lines(capacity_rows: pd.DataFrame, quality: pd.DataFrame, label: str
         save_figure(fig, out_dir, stem)
         lines.append(f"![{caption}]({stem}.png)")
     if len(unmatched):
-        cells = ", ".join(" / ".join(map(str, cell)) for cell in unmatched.itertuples(index=False))
+        named = unmatched.assign(**{POLICY: unmatched[POLICY].map(display_name)})
+        cells = ", ".join(" / ".join(map(str, cell)) for cell in named.itertuples(index=False))
         lines += ["", f"No quality cell of the same model, task, policy, budget and stage for: {cells}."]
     return lines
 
@@ -129,10 +137,11 @@ def _paired_section(
     """report.md's lines comparing every policy with ``baseline`` example by example; writes the CSV beside."""
     table = paired_differences(rows, column, names, baseline, n_boot, seed)
     table.to_csv(out_dir / f"paired_{_safe(baseline)}.csv", index=False)
+    shown = display_name(baseline)
     return [
-        f"## Paired differences against {baseline}",
+        f"## Paired differences against {shown}",
         "",
-        f"Each cell: the mean over examples of (policy − {baseline}) in the quality metric, its 95 % paired "
+        f"Each cell: the mean over examples of (policy − {shown}) in the quality metric, its 95 % paired "
         f"bootstrap interval ({n_boot} resamples of the examples both finished), then on how many examples the "
         "policy did better / worse, of the pairs.",
         "",

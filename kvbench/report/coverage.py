@@ -12,6 +12,7 @@ import pandas as pd
 
 from kvbench.report.aggregate import error_counts, missing_cells
 from kvbench.report.load import Loaded
+from kvbench.report.style import display_name
 from kvbench.report.tables import markdown_table
 from kvbench.results.schema import CELL, POLICY, STAGE
 from kvbench.results.writer import failed_cells
@@ -36,6 +37,11 @@ def coverage(rows: pd.DataFrame, roots: Sequence[Path], refused: Mapping[str, Se
     return Coverage(missing_cells(rows, refused), error_counts(rows), failed, pairs)
 
 
+def _named(cells: pd.DataFrame) -> pd.DataFrame:
+    """``cells`` with each policy by its display name, as the figures and the other tables name it."""
+    return cells.assign(**{POLICY: cells[POLICY].map(display_name)})
+
+
 def coverage_markdown(loaded: Loaded, cover: Coverage) -> str:
     """The report section that says what is absent or failed."""
     lines = ["## Coverage", ""]
@@ -43,9 +49,9 @@ def coverage_markdown(loaded: Loaded, cover: Coverage) -> str:
     if missing.empty:
         lines.append("No missing cells: every policy × budget × task × model × stage seen has rows.")
     else:
-        lines += [f"{len(missing)} missing cells (no rows at all):", "", markdown_table(missing[CELL])]
+        lines += [f"{len(missing)} missing cells (no rows at all):", "", markdown_table(_named(missing[CELL]))]
     if cover.refused:
-        shown = ", ".join(f"{policy} in stage={stage}" for policy, stage in cover.refused)
+        shown = ", ".join(f"{display_name(policy)} in stage={stage}" for policy, stage in cover.refused)
         lines += ["", f"Not expected (kvbench refuses to run them): {shown}."]
     lines.append("")
     if cover.failed:
@@ -55,7 +61,7 @@ def coverage_markdown(loaded: Loaded, cover: Coverage) -> str:
         lines.append("No failed examples.")
     else:
         lines += [f"{int(errors['errors'].sum())} failed examples (excluded from statistics):", ""]
-        lines.append(markdown_table(errors[[*CELL, "ok", "errors", "first_error"]]))
+        lines.append(markdown_table(_named(errors[[*CELL, "ok", "errors", "first_error"]])))
     if loaded.bad_lines or loaded.duplicates:
         lines += ["", f"Skipped {loaded.bad_lines} unreadable lines and {loaded.duplicates} duplicate example rows."]
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.report.aggregate import LEVEL, N_BOOT, bootstrap
-from kvbench.report.style import is_baseline, lower_is_better, sort_policies
+from kvbench.report.style import display_name, is_baseline, lower_is_better, sort_policies
 from kvbench.report.tables import BLOCK, markdown_table
 from kvbench.results.schema import BUDGET, EXAMPLE_ID, MODEL, POLICY, STAGE, STATUS, STATUS_OK, TASK
 
@@ -112,7 +112,8 @@ def paired_markdown(paired: pd.DataFrame) -> str:
             ]
         )
         wide = cells.pivot_table(index=POLICY, columns=BUDGET, values="text", aggfunc="first")
-        wide = wide.reindex(index=sort_policies(block[POLICY]), columns=order).fillna("–").reset_index()
-        heading = f"**{model} · {task} · {stage}** − {block['baseline'].iat[0]}"
+        wide = wide.reindex(index=sort_policies(block[POLICY]), columns=order).fillna("–")
+        wide = wide.rename(index=display_name).reset_index()
+        heading = f"**{model} · {task} · {stage}** − {display_name(block['baseline'].iat[0])}"
         parts.append(f"{heading}\n\n{markdown_table(wide)}")
     return "\n\n".join(parts)

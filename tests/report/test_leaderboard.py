@@ -120,7 +120,7 @@ def test_report_has_the_leaderboard_and_its_table_against_the_chosen_baseline(tm
     assert main([str(tmp_path / "s"), "--out", str(tmp_path / "r"), "--bootstrap", "50", "--baseline", "h2o"]) == 0
     report = (tmp_path / "r" / "report.md").read_text()
     assert "leaderboard_prefill.png" in report and (tmp_path / "r" / "leaderboard_prefill.png").exists()
-    assert "(policy − h2o)" in report and "at 8×" in report
+    assert "(policy − H2O)" in report and "at 8×" in report
     assert main([str(tmp_path / "s"), "--out", str(tmp_path / "r"), "--baseline", "nope"]) == 2
 
 
@@ -133,8 +133,8 @@ def test_coverage_leaves_out_refused_cells_and_lists_cells_that_could_not_run(tm
     (root / "m" / "a" / "tova" / "decode" / "budget=0.5" / "error.txt").write_text("Traceback ...\nOSError: disk\n")
     assert main([str(root), "--out", str(tmp_path / "r"), "--bootstrap", "20"]) == 0
     coverage = (tmp_path / "r" / "report.md").read_text().split("## Coverage")[1]
-    assert "1 missing cells" in coverage and "| m | a | decode | tova | 50% |" in coverage
-    assert "snapkv in stage=decode" in coverage and "| m | a | decode | snapkv" not in coverage
+    assert "1 missing cells" in coverage and "| m | a | decode | TOVA | 50% |" in coverage
+    assert "SnapKV in stage=decode" in coverage and "| m | a | decode | SnapKV" not in coverage
     assert "m/a/tova/decode/budget=0.5 | OSError: disk" in coverage
 
 
