@@ -31,6 +31,7 @@ from kvbench.report.style import (
     is_baseline,
     lower_is_better,
     metric_label,
+    resolve_policy,
     sort_policies,
     sort_stages,
 )
@@ -127,10 +128,6 @@ def _served_lines(capacity_rows: pd.DataFrame, quality: pd.DataFrame, label: str
     return lines
 
 
-def _policies(rows: pd.DataFrame) -> str:
-    return ", ".join(sorted(rows[POLICY].unique()))
-
-
 def _paired_section(
     rows: pd.DataFrame, column: str, names: dict[str, str], baseline: str, n_boot: int, seed: int, out_dir: Path
 ) -> list[str]:
@@ -162,7 +159,8 @@ def build_report(
     """Write every figure, the tables and ``report.md`` into ``out_dir``; returns report.md's path.
 
     ``paired``: baseline policies each other policy is compared with example by example (``report.paired``);
-    ``baseline``: the policy the leaderboard's table compares with (default: the full cache, when it ran).
+    ``baseline``: the policy the leaderboard's table compares with (default: the full cache, when it ran). Both
+    take a policy's config name or its display name, in any case (``style.resolve_policy``).
     Progress, gaps and failures go to ``log`` (standard error by default).
     """
     log = log or sys.stderr
@@ -170,11 +168,9 @@ def build_report(
     rows = loaded.rows
     if rows.empty:
         raise ValueError(f"no rows.jsonl rows under {', '.join(map(str, roots))}")
-    unknown = sorted(set(paired) - set(rows[POLICY]))
-    if unknown:
-        raise ValueError(f"--paired {', '.join(unknown)}: no such policy in the rows; they hold {_policies(rows)}")
-    if baseline is not None and baseline not in set(rows[POLICY]):
-        raise ValueError(f"--baseline {baseline}: no such policy in the rows; they hold {_policies(rows)}")
+    paired = [resolve_policy("--paired", name, rows[POLICY]) for name in paired]
+    if baseline is not None:
+        baseline = resolve_policy("--baseline", baseline, rows[POLICY])
     out_dir.mkdir(parents=True, exist_ok=True)
     is_capacity = rows[KIND].eq(KIND_CAPACITY)
     capacity_rows = rows[is_capacity]

@@ -1,11 +1,13 @@
 """One name per policy everywhere a reader sees it: the quality tables, the paired tables, the coverage section, the
-figures' legends (the display names of kvbench.report.labels)."""
+figures' legends (the display names of kvbench.report.labels); and ``--baseline`` / ``--paired`` given either name."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+
+import pytest
 
 from kvbench.report.aggregate import cell_stats, quality_column
 from kvbench.report.cli import main
@@ -65,3 +67,22 @@ def test_tables_coverage_and_legends_name_policies_alike(tmp_path: Path) -> None
     figure = budget_figure(stats[stats["quantity"].eq(column)], "prefill", "q")
     legends = [*figure.legends, *(ax.get_legend() for ax in figure.axes if ax.get_legend())]
     assert {t.get_text() for legend in legends for t in legend.get_texts()} == table_names(tables)
+
+
+@pytest.mark.parametrize("given", ["snapkv", "SnapKV", "SNAPKV", "snapKV"])
+def test_baseline_and_paired_take_either_name_in_any_case(tmp_path: Path, given: str) -> None:
+    root, out = sweep(tmp_path), tmp_path / "r"
+    assert main([str(root), "--out", str(out), "--bootstrap", "20", "--baseline", given, "--paired", given]) == 0
+    report = (out / "report.md").read_text()
+    assert "(policy − SnapKV)" in report and "## Paired differences against SnapKV" in report
+    assert (out / "leaderboard_paired_snapkv.csv").exists() and (out / "paired_snapkv.csv").exists()
+
+
+def test_an_unknown_baseline_is_one_error_listing_the_valid_names(tmp_path: Path, capsys) -> None:
+    root, out = sweep(tmp_path), tmp_path / "r"
+    assert main([str(root), "--out", str(out), "--baseline", "snap"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--baseline snap" in err
+    for name in ("full (Full cache)", "h2o (H2O)", "snapkv (SnapKV)"):
+        assert name in err
+    assert not out.exists()
