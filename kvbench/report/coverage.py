@@ -1,5 +1,6 @@
 """What a report says is absent or failed: cells of the sweep's grid with no rows (less those kvbench refuses to
-run), cells that could not run (their ``error.txt``), and examples that failed."""
+run, named once on a line of their own), cells that could not run (their ``error.txt``, less the refusals), and
+examples that failed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import TextIO
 
 import pandas as pd
 
+from kvbench.config.validate import stage_refusal
 from kvbench.report.aggregate import error_counts, missing_cells
+from kvbench.report.labels import base_name
 from kvbench.report.load import Loaded
 from kvbench.report.style import display_name
 from kvbench.report.tables import markdown_table
@@ -30,10 +33,16 @@ def coverage(rows: pd.DataFrame, roots: Sequence[Path], refused: Mapping[str, Se
     """``rows``: a sweep's example rows; ``refused``: policy -> the stages kvbench refuses it in."""
     stages = set(rows[STAGE])
     pairs = sorted({(p, s) for p in set(rows[POLICY]) for s in refused.get(p, ()) if s in stages})
+    # A sweep over stages leaves the refusal in the refused cell's error.txt: that cell is named with the refused.
+    refusals = [stage_refusal(base_name(policy), stage) for policy, stage in pairs]
     failed = []
     for root in roots:
         if root.is_dir():
-            failed += [(str(path.relative_to(root)), headline) for path, headline in failed_cells(root)]
+            failed += [
+                (str(path.relative_to(root)), headline)
+                for path, headline in failed_cells(root)
+                if not any(refusal in headline for refusal in refusals)
+            ]
     return Coverage(missing_cells(rows, refused), error_counts(rows), failed, pairs)
 
 

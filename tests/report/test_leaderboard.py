@@ -138,6 +138,24 @@ def test_coverage_leaves_out_refused_cells_and_lists_cells_that_could_not_run(tm
     assert "m/a/tova/decode/budget=0.5 | OSError: disk" in coverage
 
 
+def test_a_refused_cell_that_left_an_error_txt_is_listed_once(tmp_path: Path) -> None:
+    """A sweep over stages writes the refusal into the refused cell's error.txt (kvbench.run; the message is
+    tests/runner/test_validation.py's): it is named with the refused cells, not again with those that could not
+    run."""
+    rows = [example(p, 0.5, 1.0, 0, "a", 0.5, s) for p, s in [("h2o", "prefill"), ("h2o", "decode")]]
+    rows += [example("snapkv", 0.5, 1.0, 0, "a", 0.5, "prefill")]
+    root = write(tmp_path / "s", rows)
+    refused = root / "m" / "a" / "snapkv" / "decode" / "budget=0.5"
+    refused.mkdir(parents=True)
+    (refused / "error.txt").write_text(
+        "kvbench: policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']\n"
+    )
+    assert main([str(root), "--out", str(tmp_path / "r"), "--bootstrap", "20"]) == 0
+    coverage = (tmp_path / "r" / "report.md").read_text().split("## Coverage")[1]
+    assert coverage.count("snapkv") + coverage.count("SnapKV") == 1
+    assert "SnapKV in stage=decode" in coverage and "could not run" not in coverage
+
+
 def capacity_row(policy: str, budget: float, batch: int, fits: bool, tokens_per_s: float, stage: str = "prefill"):
     return {
         "model": "m",
