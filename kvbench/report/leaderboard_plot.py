@@ -110,7 +110,8 @@ def leaderboard_section(
 ) -> tuple[list[tuple[str, Figure]], list[str], pd.DataFrame]:
     """The leaderboard's figures (file stem, figure), report.md's lines and the paired table (for a CSV)."""
     points = pd.concat(
-        [task_points(rows, column, facts, quality), mean_points(rows, column, facts, n_boot, seed)], ignore_index=True
+        [task_points(rows, column, facts, quality, n_boot, seed), mean_points(rows, column, facts, n_boot, seed)],
+        ignore_index=True,
     ).dropna(subset=["ratio"])
     levels = baseline_levels(rows, column)
     figures = [

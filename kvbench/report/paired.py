@@ -79,17 +79,23 @@ def paired_differences(
 
 
 def stratified_bootstrap(
-    strata: Sequence[np.ndarray], rng: np.random.Generator, n_boot: int = N_BOOT, level: float = LEVEL
+    strata: Sequence[np.ndarray],
+    rng: np.random.Generator,
+    n_boot: int = N_BOOT,
+    level: float = LEVEL,
+    weights: Sequence[float] | None = None,
 ) -> tuple[float, float, float]:
-    """The mean over strata of each stratum's mean (tasks weigh alike, whatever their number of examples) and its
-    percentile-bootstrap interval, resampling examples within each stratum: the interval of a benchmark average
-    whose tasks were all run, where only the examples are a sample. Widened to include the mean, as ``bootstrap``."""
+    """The mean over strata of each stratum's mean (tasks weigh alike, whatever their number of examples; or as
+    ``weights`` say, relative) and its percentile-bootstrap interval, resampling examples within each stratum: the
+    interval of a benchmark average whose tasks were all run, where only the examples are a sample. Widened to
+    include the mean, as ``bootstrap``."""
+    scale = [1.0] * len(strata) if weights is None else [float(w) for w in weights]
     means = np.zeros(n_boot)
-    for values in strata:
+    for values, weight in zip(strata, scale):
         data = np.asarray(values, dtype=float)
-        means += data[rng.integers(0, len(data), size=(n_boot, len(data)))].mean(axis=1)
-    means /= len(strata)
-    mean = float(np.mean([np.mean(values) for values in strata]))
+        means += weight * data[rng.integers(0, len(data), size=(n_boot, len(data)))].mean(axis=1)
+    means /= sum(scale)
+    mean = float(np.average([np.mean(values) for values in strata], weights=weights))
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return mean, min(float(low), mean), max(float(high), mean)

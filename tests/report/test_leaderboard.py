@@ -115,6 +115,42 @@ def mean_diff(mine: list[float], base: list[float]) -> float:
     return float(np.mean(np.subtract(mine, base)))
 
 
+def grid_sweep(tmp_path: Path) -> pd.DataFrame:
+    """Task a (two examples) and two grids: NIAH at 2 lengths × 3 depths and a RULER subset at 2 lengths, each cell
+    of one or two examples, recorded as a sweep records them (``settings``: what each cell changes)."""
+    rows = []
+    for policy, shift in (("full", 0.0), ("h2o", -0.5)):
+        budget = 1.0 if policy == "full" else 0.25
+        rows += [example(policy, budget, 1.0 + shift, i, "a", budget) for i in range(2)]
+        for length in (1024, 2048):
+            for depth in (0, 50, 100):
+                score = float(depth == 50 or policy == "full")  # h2o finds the needle at depth 50 only
+                cell = example(policy, budget, score, 0, "niah", budget)
+                rows.append(cell | {"settings": {"task.context_tokens": length, "task.depth": depth}})
+            score = 1.0 if policy == "full" else 0.0 if length == 1024 else 1.0
+            for i in range(2 if length == 1024 else 1):
+                cell = example(policy, budget, score, i, "ruler/vt", budget)
+                rows.append(cell | {"settings": {"task.context_tokens": length}})
+    return load_rows([write(tmp_path / "g", rows)]).rows
+
+
+def test_a_grid_of_lengths_and_depths_is_one_task_of_the_leaderboard(tmp_path: Path) -> None:
+    rows = grid_sweep(tmp_path)
+    column, _ = quality_column(rows, None)
+    facts = policy_facts(rows)
+    points = pd.concat(
+        [task_points(rows, column, facts, cell_stats(rows, [column], 100)), mean_points(rows, column, facts, 100)]
+    ).set_index(["task", "policy"])
+    assert sorted(points.index.get_level_values("task").unique()) == sorted(["a", "niah", "ruler/vt", MEAN_TASK])
+    # h2o: a 0.5; NIAH 2 of 6 cells 1/3; RULER vt mean over its lengths (0 at 1024, 1 at 2048) 0.5
+    assert points.loc[("niah", "h2o"), "y"] == pytest.approx(1 / 3)
+    assert points.loc[("ruler/vt", "h2o"), "y"] == pytest.approx(0.5)  # lengths alike, not the 3 examples (1/3)
+    assert points.loc[(MEAN_TASK, "h2o"), "y"] == pytest.approx((0.5 + 1 / 3 + 0.5) / 3)
+    table = paired_over_tasks(rows, column, "full", facts, 100).set_index("policy")
+    assert table.loc["h2o", "tasks"] == 3
+    assert table.loc["h2o", "diff"] == pytest.approx((-0.5 - 2 / 3 - 0.5) / 3)
+
+
 def test_report_has_the_leaderboard_and_its_table_against_the_chosen_baseline(tmp_path: Path) -> None:
     sweep(tmp_path)
     assert main([str(tmp_path / "s"), "--out", str(tmp_path / "r"), "--bootstrap", "50", "--baseline", "h2o"]) == 0
