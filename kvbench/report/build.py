@@ -215,7 +215,8 @@ def build_report(
         f"{len(rows)} example rows ({ok} ok, {len(rows) - ok} failed) from {len(loaded.files)} files under "
         + ", ".join(f"`{root}`" for root in roots)
         + f". Quality: {', '.join(sorted(set(names.values())))}. "
-        f"Error bars: 95 % percentile bootstrap over examples ({n_boot} resamples, seed {seed}). "
+        f"Error bars: 95 % percentile bootstrap over examples ({n_boot} resamples, seed {seed}; the questions of "
+        "one context resampled together). "
         f"x = mean achieved budget of the cell{dashed}.",
     ]
     shared = shared_settings(rows)

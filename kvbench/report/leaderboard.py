@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvbench.report.aggregate import N_BOOT
+from kvbench.report.aggregate import N_BOOT, context_codes, shares_context
 from kvbench.report.declared import PolicyFacts
 from kvbench.report.labels import base_name, label_cells
 from kvbench.report.paired import baseline_rows, stratified_bootstrap
@@ -87,8 +87,10 @@ def _point(key: tuple, block: pd.DataFrame, facts: Mapping[str, PolicyFacts], n_
     """The weighted mean over ``block``'s task cells (one model, stage, policy, budget), its stratified interval,
     the ratio (kept fraction averaged alike) and the examples counted."""
     labels, weights = _weights(block)
-    strata = [block.loc[block[TASK].eq(t), "_value"].to_numpy() for t in labels]
-    mean, low, high = stratified_bootstrap(strata, _rng(seed, key), n_boot, weights=weights)
+    cells = [block[block[TASK].eq(t)] for t in labels]
+    strata = [cell["_value"].to_numpy() for cell in cells]
+    clusters = [context_codes(cell[EXAMPLE_ID], shares_context(cell)) for cell in cells]
+    mean, low, high = stratified_bootstrap(strata, _rng(seed, key), n_boot, weights=weights, clusters=clusters)
     per_task = block.groupby(TASK).first().assign(**{BUDGET_ACHIEVED: block.groupby(TASK)[BUDGET_ACHIEVED].mean()})
     fraction = np.average(kept_fraction(per_task.assign(**{POLICY: key[2]}), facts)[labels], weights=weights)
     return dict(zip(GROUP, key)) | {
@@ -187,18 +189,20 @@ def paired_over_tasks(
     from ``baseline`` (examples both ran), resampled within each task, and the pairs counted."""
     ok, records = _ok(rows, column), []
     for key, block, tasks in _complete(ok[~ok[POLICY].eq(baseline)]):
-        strata = []
+        strata, clusters = [], []
         for task in tasks:
-            mine = block[block[TASK].eq(task)].drop_duplicates(EXAMPLE_ID).set_index(EXAMPLE_ID)["_value"]
+            own = block[block[TASK].eq(task)]
+            mine = own.drop_duplicates(EXAMPLE_ID).set_index(EXAMPLE_ID)["_value"]
             same = ok[ok[MODEL].eq(key[0]) & ok[TASK].eq(task) & ok[STAGE].eq(key[1]) & ok[BUDGET].eq(key[3])]
             base = baseline_rows(same if len(same) else ok[ok[MODEL].eq(key[0]) & ok[TASK].eq(task)], ok, baseline)
             base = base.drop_duplicates(EXAMPLE_ID).set_index(EXAMPLE_ID)["_value"]
             shared = mine.index.intersection(base.index)
             strata.append((mine[shared] - base[shared]).to_numpy(dtype=float))
+            clusters.append(context_codes(shared, shares_context(own)))
         if any(len(s) == 0 for s in strata):
             continue
-        weights = _weights(block)[1]
-        diff, low, high = stratified_bootstrap(strata, _rng(seed, (*key, baseline)), n_boot, weights=weights)
+        rng, weights = _rng(seed, (*key, baseline)), _weights(block)[1]
+        diff, low, high = stratified_bootstrap(strata, rng, n_boot, weights=weights, clusters=clusters)
         records.append(
             dict(zip(GROUP, key))
             | {
