@@ -70,11 +70,12 @@ def shares_context(rows: pd.DataFrame) -> bool:
     return SHARED_PREFILL in rows and bool(rows[SHARED_PREFILL].eq(True).any())
 
 
-def context_codes(example_ids: Sequence[str], shared: bool) -> np.ndarray:
-    """Each row's context as 0, 1, ...: its ``example_id`` less ``/<question>`` where the rows share contexts,
-    else the row itself (docs/results.md)."""
-    ids = pd.Series(list(example_ids), dtype=str)
-    return pd.factorize(ids.str.rsplit("/", n=1).str[0] if shared else ids)[0]
+def context_codes(example_ids: Sequence[str], shared: bool) -> np.ndarray | None:
+    """Each row's context as 0, 1, ...: its ``example_id`` less ``/<question>`` (docs/results.md) where the rows
+    share contexts; None (each row its own) where they do not."""
+    if not shared:
+        return None
+    return pd.factorize(pd.Series(list(example_ids), dtype=str).str.rsplit("/", n=1).str[0])[0]
 
 
 def bootstrap(
@@ -100,13 +101,13 @@ def bootstrap(
     if n == 0:
         empty = np.full(data.shape[1], np.nan)
         return empty, empty, empty, count
-    codes = np.arange(n) if clusters is None else np.asarray(clusters)
-    k = int(codes.max()) + 1
+    k = n if clusters is None else int(np.max(clusters)) + 1
     with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns give NaN, as intended
         mean = np.nanmean(data, axis=0)
         picks = rng.integers(0, k, size=(n_boot, k)) + k * np.arange(n_boot)[:, None]
-        weights = np.bincount(picks.ravel(), minlength=n_boot * k).reshape(n_boot, k)[:, codes].astype(float)
+        multiplicities = np.bincount(picks.ravel(), minlength=n_boot * k).reshape(n_boot, k)
+        weights = (multiplicities if clusters is None else multiplicities[:, clusters]).astype(float)
         deviations = np.where(present, data - mean, 0.0)
         resampled = mean + (weights @ deviations) / (weights @ present)
         tail = (1 - level) / 2 * 100

@@ -85,7 +85,7 @@ def stratified_bootstrap(
     n_boot: int = N_BOOT,
     level: float = LEVEL,
     weights: Sequence[float] | None = None,
-    clusters: Sequence[np.ndarray] | None = None,
+    clusters: Sequence[np.ndarray | None] | None = None,
 ) -> tuple[float, float, float]:
     """The mean over strata of each stratum's mean (tasks weigh alike, whatever their number of examples; or as
     ``weights`` say, relative) and its percentile-bootstrap interval, resampling examples within each stratum (or
@@ -93,9 +93,10 @@ def stratified_bootstrap(
     whose tasks were all run, where only the examples are a sample. Widened to include the mean, as
     ``bootstrap``."""
     scale = [1.0] * len(strata) if weights is None else [float(w) for w in weights]
-    codes = [np.arange(len(values)) for values in strata] if clusters is None else clusters
+    codes = [None] * len(strata) if clusters is None else clusters
     means = np.zeros(n_boot)
     for values, weight, own in zip(strata, scale, codes):
+        own = np.arange(len(values)) if own is None else own
         sums = np.bincount(own, weights=np.asarray(values, dtype=float))
         sizes = np.bincount(own).astype(float)
         picks = rng.integers(0, len(sums), size=(n_boot, len(sums)))
