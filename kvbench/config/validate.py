@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from kvbench.tasks.base import Task
 
 
+def stage_refusal(policy: str, stage: str) -> str:
+    """How a refused stage is said: the report knows a refused cell's ``error.txt`` by it."""
+    return f"policy={policy} cannot run in stage={stage}"
+
+
 def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     """Check one cell's config; raise ``ConfigError`` naming the fix."""
     data = _plain_config(cfg)
@@ -44,8 +49,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
         compresses_prompts = run.stage is Stage.both and "prefill" not in unsupported
         phases = " (or keep stage=both and name a policy for the decode phase: policy.decode=h2o)"
         raise ConfigError(
-            f"policy={policy.name} cannot run in stage={run.stage}; use stage in {allowed}"
-            + (phases if compresses_prompts else "")
+            f"{stage_refusal(policy.name, run.stage)}; use stage in {allowed}" + (phases if compresses_prompts else "")
         )
     if run.stride is not None and policy.whole_prompt:
         prefill = policy_cfg.get("prefill")

@@ -3,6 +3,10 @@
 Kept free of matplotlib so tests can check the plotted data directly: ``cell_stats`` returns one
 tidy row per model/task/stage/policy/budget/quantity with x (achieved budget, %), y (mean over
 examples), a bootstrap interval and n.
+
+The questions of one context (``task.ask=each``, RULER's multi-query subsets: rows ``<context>/<question>``) are not
+independent samples: every interval resamples contexts, keeping all their questions (a cluster bootstrap), so it is
+not too narrow; elsewhere a context is one example.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from kvbench.results.schema import (
     BUDGET_ACHIEVED,
     CELL,
     ERROR,
+    EXAMPLE_ID,
     METRIC_PREFIX,
     MODEL,
     POLICY,
@@ -56,15 +61,37 @@ def quality_column(rows: pd.DataFrame, metric: str | None) -> tuple[str, dict[st
     raise ValueError(f"no values for metric {metric!r}; rows have: {', '.join(known) or 'none'}")
 
 
+SHARED_PREFILL = "prefill_shared"  # a row's column: true when an earlier question of its context paid its prefill
+
+
+def shares_context(rows: pd.DataFrame) -> bool:
+    """Whether ``rows`` (one cell) ask several questions of one context: some question reused its context's
+    prefill."""
+    return SHARED_PREFILL in rows and bool(rows[SHARED_PREFILL].eq(True).any())
+
+
+def context_codes(example_ids: Sequence[str], shared: bool) -> np.ndarray | None:
+    """Each row's context as 0, 1, ...: its ``example_id`` less ``/<question>`` (docs/results.md) where the rows
+    share contexts; None (each row its own) where they do not."""
+    if not shared:
+        return None
+    return pd.factorize(pd.Series(list(example_ids), dtype=str).str.rsplit("/", n=1).str[0])[0]
+
+
 def bootstrap(
-    values: np.ndarray, rng: np.random.Generator, n_boot: int = N_BOOT, level: float = LEVEL
+    values: np.ndarray,
+    rng: np.random.Generator,
+    n_boot: int = N_BOOT,
+    level: float = LEVEL,
+    clusters: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Mean, percentile-bootstrap interval and count of each column of ``values`` (NaN = absent).
 
-    All columns share one set of resamples, held as per-example multiplicities so memory stays
-    n_boot x n whatever the number of columns. Deviations from the mean are resampled, so constant
-    data gives an interval of exactly the mean; the interval is also widened to include the mean,
-    which keeps error bars non-negative on degenerate data.
+    ``clusters`` (each row's context, 0..k-1; default: each row its own) are what is resampled, each with all its
+    rows: the cluster bootstrap of the mean over rows. All columns share one set of resamples, held as per-cluster
+    multiplicities so memory stays n_boot x n whatever the number of columns. Deviations from the mean are
+    resampled, so constant data gives an interval of exactly the mean; the interval is also widened to include
+    the mean, which keeps error bars non-negative on degenerate data.
     """
     data = np.asarray(values, dtype=float)
     data = data.reshape(len(data), -1)
@@ -74,11 +101,13 @@ def bootstrap(
     if n == 0:
         empty = np.full(data.shape[1], np.nan)
         return empty, empty, empty, count
+    k = n if clusters is None else int(np.max(clusters)) + 1
     with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns give NaN, as intended
         mean = np.nanmean(data, axis=0)
-        picks = rng.integers(0, n, size=(n_boot, n)) + n * np.arange(n_boot)[:, None]
-        weights = np.bincount(picks.ravel(), minlength=n_boot * n).reshape(n_boot, n).astype(float)
+        picks = rng.integers(0, k, size=(n_boot, k)) + k * np.arange(n_boot)[:, None]
+        multiplicities = np.bincount(picks.ravel(), minlength=n_boot * k).reshape(n_boot, k)
+        weights = (multiplicities if clusters is None else multiplicities[:, clusters]).astype(float)
         deviations = np.where(present, data - mean, 0.0)
         resampled = mean + (weights @ deviations) / (weights @ present)
         tail = (1 - level) / 2 * 100
@@ -96,7 +125,7 @@ def _achieved_percent(group: pd.DataFrame) -> float:
 
 
 def cell_stats(rows: pd.DataFrame, quantities: Sequence[str], n_boot: int = N_BOOT, seed: int = 0) -> pd.DataFrame:
-    """Long table of per-cell statistics of ``quantities`` over the ``ok`` rows.
+    """Long table of per-cell statistics of ``quantities`` over the ``ok`` rows, resampling contexts.
 
     Each cell's generator is seeded from ``seed`` and the cell's identity, so a cell's interval
     does not change when other cells are added to the sweep.
@@ -107,7 +136,8 @@ def cell_stats(rows: pd.DataFrame, quantities: Sequence[str], n_boot: int = N_BO
     for key, group in ok.groupby(CELL, sort=False):
         rng = np.random.default_rng([seed, zlib.crc32("\x1f".join(key).encode())])
         values = group[present].apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float)
-        mean, low, high, count = bootstrap(values, rng, n_boot)
+        clusters = context_codes(group[EXAMPLE_ID], shares_context(group))
+        mean, low, high, count = bootstrap(values, rng, n_boot, clusters=clusters)
         base = dict(zip(CELL, key))
         base.update(
             budget_kind=group["budget_kind"].iat[0],

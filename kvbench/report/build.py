@@ -26,7 +26,15 @@ from kvbench.report.load import load_rows
 from kvbench.report.paired import paired_differences, paired_markdown
 from kvbench.report.plots import budget_figure, pareto_figure, save_figure
 from kvbench.report.served import served_plots, served_points
-from kvbench.report.style import is_baseline, lower_is_better, metric_label, sort_policies, sort_stages
+from kvbench.report.style import (
+    display_name,
+    is_baseline,
+    lower_is_better,
+    metric_label,
+    resolve_policy,
+    sort_policies,
+    sort_stages,
+)
 from kvbench.report.tables import quality_csv, quality_markdown
 from kvbench.results.schema import (
     DECODE_MS_MEAN,
@@ -114,13 +122,10 @@ def _served_lines(capacity_rows: pd.DataFrame, quality: pd.DataFrame, label: str
         save_figure(fig, out_dir, stem)
         lines.append(f"![{caption}]({stem}.png)")
     if len(unmatched):
-        cells = ", ".join(" / ".join(map(str, cell)) for cell in unmatched.itertuples(index=False))
+        named = unmatched.assign(**{POLICY: unmatched[POLICY].map(display_name)})
+        cells = ", ".join(" / ".join(map(str, cell)) for cell in named.itertuples(index=False))
         lines += ["", f"No quality cell of the same model, task, policy, budget and stage for: {cells}."]
     return lines
-
-
-def _policies(rows: pd.DataFrame) -> str:
-    return ", ".join(sorted(rows[POLICY].unique()))
 
 
 def _paired_section(
@@ -129,10 +134,11 @@ def _paired_section(
     """report.md's lines comparing every policy with ``baseline`` example by example; writes the CSV beside."""
     table = paired_differences(rows, column, names, baseline, n_boot, seed)
     table.to_csv(out_dir / f"paired_{_safe(baseline)}.csv", index=False)
+    shown = display_name(baseline)
     return [
-        f"## Paired differences against {baseline}",
+        f"## Paired differences against {shown}",
         "",
-        f"Each cell: the mean over examples of (policy − {baseline}) in the quality metric, its 95 % paired "
+        f"Each cell: the mean over examples of (policy − {shown}) in the quality metric, its 95 % paired "
         f"bootstrap interval ({n_boot} resamples of the examples both finished), then on how many examples the "
         "policy did better / worse, of the pairs.",
         "",
@@ -153,7 +159,8 @@ def build_report(
     """Write every figure, the tables and ``report.md`` into ``out_dir``; returns report.md's path.
 
     ``paired``: baseline policies each other policy is compared with example by example (``report.paired``);
-    ``baseline``: the policy the leaderboard's table compares with (default: the full cache, when it ran).
+    ``baseline``: the policy the leaderboard's table compares with (default: the full cache, when it ran). Both
+    take a policy's config name or its display name, in any case (``style.resolve_policy``).
     Progress, gaps and failures go to ``log`` (standard error by default).
     """
     log = log or sys.stderr
@@ -161,11 +168,9 @@ def build_report(
     rows = loaded.rows
     if rows.empty:
         raise ValueError(f"no rows.jsonl rows under {', '.join(map(str, roots))}")
-    unknown = sorted(set(paired) - set(rows[POLICY]))
-    if unknown:
-        raise ValueError(f"--paired {', '.join(unknown)}: no such policy in the rows; they hold {_policies(rows)}")
-    if baseline is not None and baseline not in set(rows[POLICY]):
-        raise ValueError(f"--baseline {baseline}: no such policy in the rows; they hold {_policies(rows)}")
+    paired = [resolve_policy("--paired", name, rows[POLICY]) for name in paired]
+    if baseline is not None:
+        baseline = resolve_policy("--baseline", baseline, rows[POLICY])
     out_dir.mkdir(parents=True, exist_ok=True)
     is_capacity = rows[KIND].eq(KIND_CAPACITY)
     capacity_rows = rows[is_capacity]
@@ -210,7 +215,8 @@ def build_report(
         f"{len(rows)} example rows ({ok} ok, {len(rows) - ok} failed) from {len(loaded.files)} files under "
         + ", ".join(f"`{root}`" for root in roots)
         + f". Quality: {', '.join(sorted(set(names.values())))}. "
-        f"Error bars: 95 % percentile bootstrap over examples ({n_boot} resamples, seed {seed}). "
+        f"Error bars: 95 % percentile bootstrap over examples ({n_boot} resamples, seed {seed}; the questions of "
+        "one context resampled together). "
         f"x = mean achieved budget of the cell{dashed}.",
     ]
     shared = shared_settings(rows)

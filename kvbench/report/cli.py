@@ -31,12 +31,14 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="POLICY",
-        help="also compare every policy with POLICY example by example (paired bootstrap); repeatable",
+        help="also compare every policy with POLICY example by example (paired bootstrap); repeatable; "
+        "the config name or the display name, any case (snapkv, SnapKV)",
     )
     parser.add_argument(
         "--baseline",
         metavar="POLICY",
-        help="the policy the leaderboard's table compares every other with (default: the full cache)",
+        help="the policy the leaderboard's table compares every other with (default: the full cache); "
+        "the config name or the display name, any case (snapkv, SnapKV)",
     )
     return parser
 

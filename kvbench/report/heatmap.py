@@ -23,7 +23,15 @@ from matplotlib.image import AxesImage
 
 from kvbench.report.labels import base_name
 from kvbench.report.plots import save_figure
-from kvbench.report.style import PAPER_RC, WIDE_IN, is_baseline, policy_style, sort_policies, sort_stages
+from kvbench.report.style import (
+    PAPER_RC,
+    WIDE_IN,
+    display_name,
+    is_baseline,
+    policy_style,
+    sort_policies,
+    sort_stages,
+)
 from kvbench.results.schema import BUDGET, MODEL, POLICY, SCORE, SETTINGS, STAGE, TASK
 from kvbench.tasks.niah import Niah
 
@@ -144,5 +152,5 @@ def heatmap_figures(rows: pd.DataFrame, out_dir: Path, metric: str = "exact matc
             for policy in [p for p in named if not is_baseline(p)] or named:
                 stem = "".join(c if c.isalnum() or c in "_.-" else "_" for c in f"niah_{model}_{stage}_{policy}")
                 save_figure(heatmap_figure(here, model, stage, policy, metric), out_dir, stem)
-                lines.append(f"![needle in a haystack, {model}, {stage}, {policy}]({stem}.png)")
+                lines.append(f"![needle in a haystack, {model}, {stage}, {display_name(policy)}]({stem}.png)")
     return lines

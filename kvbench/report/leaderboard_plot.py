@@ -87,7 +87,8 @@ def leaderboard_markdown(paired: pd.DataFrame, points: pd.DataFrame) -> str:
         order = sorted(wide.columns, key=lambda b: -_ratio_of(b))
         wide = wide.reindex(index=sort_policies(block[POLICY]), columns=order).fillna("–")
         wide = wide.rename(index=display_name).reset_index()
-        heading = f"**{model} · {stage}** − {block['baseline'].iat[0]}, mean over {block['tasks'].iat[0]} tasks"
+        against, tasks = display_name(block["baseline"].iat[0]), block["tasks"].iat[0]
+        heading = f"**{model} · {stage}** − {against}, mean over {tasks} tasks"
         parts.append(f"{heading}\n\n{markdown_table(wide)}")
     return "\n\n".join(parts)
 
@@ -109,7 +110,8 @@ def leaderboard_section(
 ) -> tuple[list[tuple[str, Figure]], list[str], pd.DataFrame]:
     """The leaderboard's figures (file stem, figure), report.md's lines and the paired table (for a CSV)."""
     points = pd.concat(
-        [task_points(rows, column, facts, quality), mean_points(rows, column, facts, n_boot, seed)], ignore_index=True
+        [task_points(rows, column, facts, quality, n_boot, seed), mean_points(rows, column, facts, n_boot, seed)],
+        ignore_index=True,
     ).dropna(subset=["ratio"])
     levels = baseline_levels(rows, column)
     figures = [
@@ -130,12 +132,13 @@ def leaderboard_section(
     paired = pd.DataFrame()
     if baseline is not None:
         paired = paired_over_tasks(rows, column, baseline, facts, n_boot, seed)
+        shown = display_name(baseline)
         lines += [
             "",
-            f"Mean over tasks of (policy − {baseline}) per example, with its 95 % paired bootstrap interval "
+            f"Mean over tasks of (policy − {shown}) per example, with its 95 % paired bootstrap interval "
             f"({n_boot} resamples of the examples both ran, within each task), per budget asked for; the ratio the "
             "cell reached follows.",
             "",
-            leaderboard_markdown(paired, points) or f"No cell was run on every task beside {baseline}.",
+            leaderboard_markdown(paired, points) or f"No cell was run on every task beside {shown}.",
         ]
     return figures, lines, paired

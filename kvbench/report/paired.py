@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from kvbench.report.aggregate import LEVEL, N_BOOT, bootstrap
-from kvbench.report.style import is_baseline, lower_is_better, sort_policies
+from kvbench.report.aggregate import LEVEL, N_BOOT, bootstrap, context_codes, shares_context
+from kvbench.report.style import display_name, is_baseline, lower_is_better, sort_policies
 from kvbench.report.tables import BLOCK, markdown_table
 from kvbench.results.schema import BUDGET, EXAMPLE_ID, MODEL, POLICY, STAGE, STATUS, STATUS_OK, TASK
 
@@ -58,7 +58,8 @@ def paired_differences(
             if not len(diff):
                 continue
             rng = np.random.default_rng([seed, zlib.crc32("\x1f".join(map(str, (*key, policy))).encode())])
-            mean, low, high, count = bootstrap(diff[:, None], rng, n_boot)
+            clusters = context_codes(shared, shares_context(cells) or shares_context(block))
+            mean, low, high, count = bootstrap(diff[:, None], rng, n_boot, clusters=clusters)
             gain = -diff if lower else diff
             records.append(
                 dict(zip([*BLOCK, BUDGET], key))
@@ -79,17 +80,29 @@ def paired_differences(
 
 
 def stratified_bootstrap(
-    strata: Sequence[np.ndarray], rng: np.random.Generator, n_boot: int = N_BOOT, level: float = LEVEL
+    strata: Sequence[np.ndarray],
+    rng: np.random.Generator,
+    n_boot: int = N_BOOT,
+    level: float = LEVEL,
+    weights: Sequence[float] | None = None,
+    clusters: Sequence[np.ndarray | None] | None = None,
 ) -> tuple[float, float, float]:
-    """The mean over strata of each stratum's mean (tasks weigh alike, whatever their number of examples) and its
-    percentile-bootstrap interval, resampling examples within each stratum: the interval of a benchmark average
-    whose tasks were all run, where only the examples are a sample. Widened to include the mean, as ``bootstrap``."""
+    """The mean over strata of each stratum's mean (tasks weigh alike, whatever their number of examples; or as
+    ``weights`` say, relative) and its percentile-bootstrap interval, resampling examples within each stratum (or
+    the contexts of ``clusters``, each with all its rows, as ``bootstrap``): the interval of a benchmark average
+    whose tasks were all run, where only the examples are a sample. Widened to include the mean, as
+    ``bootstrap``."""
+    scale = [1.0] * len(strata) if weights is None else [float(w) for w in weights]
+    codes = [None] * len(strata) if clusters is None else clusters
     means = np.zeros(n_boot)
-    for values in strata:
-        data = np.asarray(values, dtype=float)
-        means += data[rng.integers(0, len(data), size=(n_boot, len(data)))].mean(axis=1)
-    means /= len(strata)
-    mean = float(np.mean([np.mean(values) for values in strata]))
+    for values, weight, own in zip(strata, scale, codes):
+        own = np.arange(len(values)) if own is None else own
+        sums = np.bincount(own, weights=np.asarray(values, dtype=float))
+        sizes = np.bincount(own).astype(float)
+        picks = rng.integers(0, len(sums), size=(n_boot, len(sums)))
+        means += weight * sums[picks].sum(axis=1) / sizes[picks].sum(axis=1)
+    means /= sum(scale)
+    mean = float(np.average([np.mean(values) for values in strata], weights=weights))
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return mean, min(float(low), mean), max(float(high), mean)
@@ -112,7 +125,8 @@ def paired_markdown(paired: pd.DataFrame) -> str:
             ]
         )
         wide = cells.pivot_table(index=POLICY, columns=BUDGET, values="text", aggfunc="first")
-        wide = wide.reindex(index=sort_policies(block[POLICY]), columns=order).fillna("–").reset_index()
-        heading = f"**{model} · {task} · {stage}** − {block['baseline'].iat[0]}"
+        wide = wide.reindex(index=sort_policies(block[POLICY]), columns=order).fillna("–")
+        wide = wide.rename(index=display_name).reset_index()
+        heading = f"**{model} · {task} · {stage}** − {display_name(block['baseline'].iat[0])}"
         parts.append(f"{heading}\n\n{markdown_table(wide)}")
     return "\n\n".join(parts)

@@ -112,6 +112,20 @@ def display_name(name: str) -> str:
     return shown + name[len(base) :]
 
 
+def resolve_policy(option: str, given: str, policies: Iterable[str]) -> str:
+    """The policy label of ``policies`` that ``given`` names, by its config name or its display name in any case
+    (``snapkv``, ``SnapKV``); else one error naming ``option`` and every valid name."""
+    labels = sorted(set(policies))
+    if given in labels:
+        return given
+    wanted = given.casefold()
+    found = [label for label in labels if wanted in (label.casefold(), display_name(label).casefold())]
+    if len(found) == 1:
+        return found[0]
+    valid = ", ".join(f"{label} ({display_name(label)})" for label in sort_policies(labels))
+    raise ValueError(f"{option} {given}: no such policy in the rows; give one of (either name, any case): {valid}")
+
+
 def _fallback(name: str, index: int, marker: str | None = None) -> PolicyStyle:
     combos = len(_FALLBACK_COLORS) * len(_FALLBACK_LINESTYLES)
     index %= combos

@@ -1,5 +1,8 @@
 """Policy x budget tables of the quality metric, as CSV (for tools) and markdown (for readers).
 
+Markdown names each policy by its display name (``style.display_name``), as the figures do; the CSV keeps the
+config names, the key that joins it with the rows.
+
 Markdown bolds the best policy per budget column, respecting lower-is-better metrics; the full
 cache is the reference row and is never bolded.
 """
@@ -11,7 +14,15 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from kvbench.report.style import direction, is_baseline, lower_is_better, metric_label, sort_policies, sort_stages
+from kvbench.report.style import (
+    direction,
+    display_name,
+    is_baseline,
+    lower_is_better,
+    metric_label,
+    sort_policies,
+    sort_stages,
+)
 from kvbench.results.schema import BUDGET, MODEL, POLICY, SCORE, STAGE, TASK
 
 BLOCK = [MODEL, TASK, STAGE]
@@ -91,7 +102,7 @@ def quality_markdown(stats: pd.DataFrame, metric_names: Mapping[str, str]) -> st
     parts = []
     for (model, task, stage), cells in _blocks(stats):
         metric = metric_names.get(task, SCORE)
-        text = _bold_best(_block(cells), lower_is_better(metric)).reset_index()
+        text = _bold_best(_block(cells), lower_is_better(metric)).rename(index=display_name).reset_index()
         heading = f"**{model} · {task} · {stage}** — {metric_label(metric)} ({direction(metric)})"
         parts.append(f"{heading}\n\n{markdown_table(text)}")
     return "\n\n".join(parts)

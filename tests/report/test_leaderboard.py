@@ -115,12 +115,48 @@ def mean_diff(mine: list[float], base: list[float]) -> float:
     return float(np.mean(np.subtract(mine, base)))
 
 
+def grid_sweep(tmp_path: Path) -> pd.DataFrame:
+    """Task a (two examples) and two grids: NIAH at 2 lengths × 3 depths and a RULER subset at 2 lengths, each cell
+    of one or two examples, recorded as a sweep records them (``settings``: what each cell changes)."""
+    rows = []
+    for policy, shift in (("full", 0.0), ("h2o", -0.5)):
+        budget = 1.0 if policy == "full" else 0.25
+        rows += [example(policy, budget, 1.0 + shift, i, "a", budget) for i in range(2)]
+        for length in (1024, 2048):
+            for depth in (0, 50, 100):
+                score = float(depth == 50 or policy == "full")  # h2o finds the needle at depth 50 only
+                cell = example(policy, budget, score, 0, "niah", budget)
+                rows.append(cell | {"settings": {"task.context_tokens": length, "task.depth": depth}})
+            score = 1.0 if policy == "full" else 0.0 if length == 1024 else 1.0
+            for i in range(2 if length == 1024 else 1):
+                cell = example(policy, budget, score, i, "ruler/vt", budget)
+                rows.append(cell | {"settings": {"task.context_tokens": length}})
+    return load_rows([write(tmp_path / "g", rows)]).rows
+
+
+def test_a_grid_of_lengths_and_depths_is_one_task_of_the_leaderboard(tmp_path: Path) -> None:
+    rows = grid_sweep(tmp_path)
+    column, _ = quality_column(rows, None)
+    facts = policy_facts(rows)
+    points = pd.concat(
+        [task_points(rows, column, facts, cell_stats(rows, [column], 100)), mean_points(rows, column, facts, 100)]
+    ).set_index(["task", "policy"])
+    assert sorted(points.index.get_level_values("task").unique()) == sorted(["a", "niah", "ruler/vt", MEAN_TASK])
+    # h2o: a 0.5; NIAH 2 of 6 cells 1/3; RULER vt mean over its lengths (0 at 1024, 1 at 2048) 0.5
+    assert points.loc[("niah", "h2o"), "y"] == pytest.approx(1 / 3)
+    assert points.loc[("ruler/vt", "h2o"), "y"] == pytest.approx(0.5)  # lengths alike, not the 3 examples (1/3)
+    assert points.loc[(MEAN_TASK, "h2o"), "y"] == pytest.approx((0.5 + 1 / 3 + 0.5) / 3)
+    table = paired_over_tasks(rows, column, "full", facts, 100).set_index("policy")
+    assert table.loc["h2o", "tasks"] == 3
+    assert table.loc["h2o", "diff"] == pytest.approx((-0.5 - 2 / 3 - 0.5) / 3)
+
+
 def test_report_has_the_leaderboard_and_its_table_against_the_chosen_baseline(tmp_path: Path) -> None:
     sweep(tmp_path)
     assert main([str(tmp_path / "s"), "--out", str(tmp_path / "r"), "--bootstrap", "50", "--baseline", "h2o"]) == 0
     report = (tmp_path / "r" / "report.md").read_text()
     assert "leaderboard_prefill.png" in report and (tmp_path / "r" / "leaderboard_prefill.png").exists()
-    assert "(policy − h2o)" in report and "at 8×" in report
+    assert "(policy − H2O)" in report and "at 8×" in report
     assert main([str(tmp_path / "s"), "--out", str(tmp_path / "r"), "--baseline", "nope"]) == 2
 
 
@@ -133,9 +169,27 @@ def test_coverage_leaves_out_refused_cells_and_lists_cells_that_could_not_run(tm
     (root / "m" / "a" / "tova" / "decode" / "budget=0.5" / "error.txt").write_text("Traceback ...\nOSError: disk\n")
     assert main([str(root), "--out", str(tmp_path / "r"), "--bootstrap", "20"]) == 0
     coverage = (tmp_path / "r" / "report.md").read_text().split("## Coverage")[1]
-    assert "1 missing cells" in coverage and "| m | a | decode | tova | 50% |" in coverage
-    assert "snapkv in stage=decode" in coverage and "| m | a | decode | snapkv" not in coverage
+    assert "1 missing cells" in coverage and "| m | a | decode | TOVA | 50% |" in coverage
+    assert "SnapKV in stage=decode" in coverage and "| m | a | decode | SnapKV" not in coverage
     assert "m/a/tova/decode/budget=0.5 | OSError: disk" in coverage
+
+
+def test_a_refused_cell_that_left_an_error_txt_is_listed_once(tmp_path: Path) -> None:
+    """A sweep over stages writes the refusal into the refused cell's error.txt (kvbench.run; the message is
+    tests/runner/test_validation.py's): it is named with the refused cells, not again with those that could not
+    run."""
+    rows = [example(p, 0.5, 1.0, 0, "a", 0.5, s) for p, s in [("h2o", "prefill"), ("h2o", "decode")]]
+    rows += [example("snapkv", 0.5, 1.0, 0, "a", 0.5, "prefill")]
+    root = write(tmp_path / "s", rows)
+    refused = root / "m" / "a" / "snapkv" / "decode" / "budget=0.5"
+    refused.mkdir(parents=True)
+    (refused / "error.txt").write_text(
+        "kvbench: policy=snapkv cannot run in stage=decode; use stage in ['prefill', 'both']\n"
+    )
+    assert main([str(root), "--out", str(tmp_path / "r"), "--bootstrap", "20"]) == 0
+    coverage = (tmp_path / "r" / "report.md").read_text().split("## Coverage")[1]
+    assert coverage.count("snapkv") + coverage.count("SnapKV") == 1
+    assert "SnapKV in stage=decode" in coverage and "could not run" not in coverage
 
 
 def capacity_row(policy: str, budget: float, batch: int, fits: bool, tokens_per_s: float, stage: str = "prefill"):

@@ -72,8 +72,10 @@ def test_cli_writes_the_section_and_csv_and_refuses_an_unknown_baseline(tmp_path
     out = tmp_path / "out"
     assert main([str(tmp_path / "s"), "--out", str(out), "--bootstrap", "50", "--paired", "snapkv"]) == 0
     report = (out / "report.md").read_text()
-    assert "## Paired differences against snapkv" in report
-    assert "| pyramidkv | +1.000 [+1.000, +1.000] 3/0 of 3 |" in report
+    assert "## Paired differences against SnapKV" in report
+    assert "| PyramidKV | +1.000 [+1.000, +1.000] 3/0 of 3 |" in report
     assert (out / "paired_snapkv.csv").read_text().count("\n") == 2
     assert main([str(tmp_path / "s"), "--out", str(out), "--paired", "nope"]) == 2
-    assert "--paired nope: no such policy in the rows; they hold pyramidkv, snapkv" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--paired nope: no such policy in the rows; give one of (either name, any case): " in err
+    assert "snapkv (SnapKV), pyramidkv (PyramidKV)" in err

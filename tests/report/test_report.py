@@ -219,10 +219,10 @@ def test_markdown_bolds_best_per_column_in_the_metric_direction(tmp_path: Path) 
     stats, column, names = stats_of(tmp_path / "s")
     markdown = quality_markdown(stats[stats["quantity"].eq(column)], names)
     fid, xsum = markdown.split("**m · xsum · prefill**")
-    assert "| snapkv | **0.850** | **1.100** | – |" in xsum and "| h2o | 0.550 | 0.800 | – |" in xsum
+    assert "| SnapKV | **0.850** | **1.100** | – |" in xsum and "| H2O | 0.550 | 0.800 | – |" in xsum
     # fidelity_kl: lower is better
-    assert "| h2o | **0.350** | **0.600** | – |" in fid and "| snapkv | 0.950 | 1.200 | – |" in fid
-    assert "| full | – | – | 1.000 |" in xsum and "| full | – | – | 0.000 |" in fid  # reference, never bold
+    assert "| H2O | **0.350** | **0.600** | – |" in fid and "| SnapKV | 0.950 | 1.200 | – |" in fid
+    assert "| Full cache | – | – | 1.000 |" in xsum and "| Full cache | – | – | 0.000 |" in fid  # never bold
 
 
 def test_direction_and_label_come_from_the_metric_registry(tmp_path: Path) -> None:
@@ -237,9 +237,9 @@ def test_direction_and_label_come_from_the_metric_registry(tmp_path: Path) -> No
     stats, column, names = stats_of(tmp_path / "s")
     declared, undeclared = quality_markdown(stats[stats["quantity"].eq(column)], names).split("**m · b · prefill**")
     assert declared.startswith("**m · a · prefill** — Tokens wasted (lower is better)")
-    assert "| h2o | **0.450** | **0.700** |" in declared and "| snapkv | 0.950 | 1.200 |" in declared
+    assert "| H2O | **0.450** | **0.700** |" in declared and "| SnapKV | 0.950 | 1.200 |" in declared
     assert "undeclared_loss (higher is better: assumed, 'undeclared_loss' is not a declared metric)" in undeclared
-    assert "| snapkv | **0.950** | **1.200** |" in undeclared and "| h2o | 0.450 | 0.700 |" in undeclared
+    assert "| SnapKV | **0.950** | **1.200** |" in undeclared and "| H2O | 0.450 | 0.700 |" in undeclared
     assert (lower_is_better("tokens_wasted"), lower_is_better("undeclared_loss")) == (True, False)
 
 
@@ -291,15 +291,15 @@ def test_partial_sweep_lists_missing_cells_and_counts_errors(
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     coverage = report.split("## Coverage")[1]
     for cell in (
-        "| m | retrieval | prefill | snapkv | 50% |",
-        "| m | xsum | prefill | h2o | 50% |",
-        "| m | xsum | prefill | snapkv | 20% |",
-        "| m | xsum | prefill | snapkv | 50% |",
+        "| m | retrieval | prefill | SnapKV | 50% |",
+        "| m | xsum | prefill | H2O | 50% |",
+        "| m | xsum | prefill | SnapKV | 20% |",
+        "| m | xsum | prefill | SnapKV | 50% |",
     ):
         assert cell in coverage
     assert "4 missing cells" in coverage
     assert "dashed line" not in report  # no full-cache cell, so no dashed line to explain
-    assert "| m | retrieval | prefill | h2o | 20% | 3 | 1 | CUDA out of memory |" in coverage
+    assert "| m | retrieval | prefill | H2O | 20% | 3 | 1 | CUDA out of memory |" in coverage
     assert "m / retrieval / prefill / snapkv / 50%" in capsys.readouterr().err
     rows_read = load_rows([tmp_path / "sweep"]).rows
     assert error_counts(rows_read)[["ok", "errors"]].values.tolist() == [[3, 1]]
@@ -325,7 +325,7 @@ def test_cli_writes_png_pdf_csv_and_markdown(tmp_path: Path) -> None:
         assert (out / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (out / f"{stem}.pdf").read_bytes()[:5] == b"%PDF-"
         assert f"]({stem}.png)" in report
-    assert "| roco |" in report and (out / "quality_table.md").exists()
+    assert "| RoCo |" in report and (out / "quality_table.md").exists()
     assert "the dashed line is the full cache" in report
     assert set(pd.read_csv(out / "quality_table.csv")["policy"]) == {"full", "h2o", "roco"}
     assert set(pd.read_csv(out / "cells.csv")["quantity"]) >= {"score", "kv_resident_bytes", "ttft_s"}
