@@ -150,7 +150,7 @@ def kvbench_attention(
         scaling if scaling is not None else query.shape[-1] ** -0.5, key.shape[2] - q, layer.visible, window, softcap
     )
     needs = attention_names(layer.policy.needs) if step.collects else frozenset()
-    if not step.logs:
+    if not step.prepares:
         needs = needs - {s.name for s in declared(needs, Logged)}
     collecting = Collecting(needs, layer.policy.history) if needs else NOTHING
     if q == 1:

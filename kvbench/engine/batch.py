@@ -139,7 +139,7 @@ class BatchLoop:
             phase=phase,
             evicts=evicts,
             collects=evicts or self.stage.evicts_in(Phase.decode),
-            logs=phase is not Phase.decode or cache.evictor.logs(range(len(seqs))),
+            prepares=phase is not Phase.decode or cache.evictor.prepares(range(len(seqs))),
             replay_masks=self._replay_masks(cache, seqs, positions),
         )
         fed = cache.begin(step)

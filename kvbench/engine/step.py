@@ -20,19 +20,20 @@ __all__ = ["Phase", "Stage", "Step"]
 class Step:
     """Lanes ``lanes`` (consecutive) each fed tokens at the absolute ``positions`` (one list per lane, all of one
     length). ``evicts``: rows over their budget evict once every layer has attended (in a decode step, those of
-    the lanes whose decode schedule is due: ``Evictor.due``). ``collects``: the attention
-    reduces the statistics the policy reads (this step or a later one evicts). ``logs``: it also logs its queries'
-    rows (``Logged`` statistics): false in a decode step whose lanes all evict more than the log's length of steps
-    later (``Evictor.logs``), since the log holds only the last queries before an eviction. ``replay_masks``: masked
-    replay, per layer [rows of the lanes, positions so far] — which positions each row may see (None: what it
-    holds)."""
+    the lanes whose decode schedule is due: ``Evictor.due``). ``collects``: the attention reduces the statistics
+    the policy reads (this step or a later one evicts). ``prepares``: the step is near enough to an eviction for
+    it to read what the step computes: it logs its queries' rows (``Logged`` statistics: the log holds only the
+    last queries before an eviction) and writes the features of the entries fed since the last one; false in a
+    decode step whose lanes all evict more than ``max(history, 1)`` steps later (``Evictor.prepares``).
+    ``replay_masks``: masked replay, per layer [rows of the lanes, positions so far] — which positions each row
+    may see (None: what it holds)."""
 
     lanes: range
     positions: list[list[int]]
     phase: Phase
     evicts: bool
     collects: bool
-    logs: bool = True
+    prepares: bool = True
     replay_masks: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:

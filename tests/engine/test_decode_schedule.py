@@ -15,6 +15,7 @@ from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.recency import Recency
 from kvbench.policies.scores.snapkv import SnapKV
+from kvbench.policies.scores.value_aware import ValueAware
 from kvbench.policies.state import TokenState
 
 NEW = 16
@@ -171,3 +172,36 @@ def test_the_query_log_before_a_scheduled_eviction_is_the_last_window_of_queries
     finally:
         hook.remove()
     assert len(g.tokens) == 2 * interval + 2 and score.checked == 2  # both scheduled decode evictions checked
+
+
+class FeaturesChecked(ValueAware):
+    """VATP whose every eviction checks each held entry's value norm (a feature written when the entry is, or
+    deferred to a step that prepares an eviction) against the L1 norm of the value the row holds."""
+
+    def __init__(self) -> None:
+        super().__init__(base="accumulated", p=1.0)
+        self.checked = 0
+
+    def __call__(self, state: TokenState) -> torch.Tensor:
+        held = state.valid_mask()
+        expected = state.values.double().abs().sum(dim=-1)
+        torch.testing.assert_close(state.stats["value_norm"].double()[held], expected[held], rtol=1e-5, atol=1e-6)
+        self.checked += 1
+        return super().__call__(state)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_features_deferred_between_scheduled_evictions_are_those_of_the_held_values(tiny, random_ids, batch_size):
+    """Between scheduled evictions a decode step leaves its entries' features to the next step that prepares one;
+    each eviction still reads every held entry's own value norm, also after a finished sequence's lane is taken
+    by another (lanes of several schedules in one batch)."""
+    policy = build_policy(tiny_policy_cfg("vatp", interval=7))
+    score = FeaturesChecked()
+    policy.score = score
+    requests = [
+        Request(random_ids(20 + 3 * i, seed=i), settings=DecodeSettings(max_new_tokens=new))
+        for i, new in enumerate([9, 23, 16])
+    ]
+    out = generate_batch(tiny.model, None, requests, policy, 12, "both", batch_size=batch_size, stride=8)
+    assert [len(g.tokens) for g in out] == [9, 23, 16]
+    assert score.checked >= 6  # the prompts' evictions and the decode schedule's

@@ -205,11 +205,14 @@ class KVCache(Cache):
 
     def layer_state(self, layer: int, lane: int = 0) -> TokenState:
         """What decoder layer ``layer`` of the sequence in ``lane`` holds, as its policy ranks it."""
+        self.kv_layers[layer].write_features()
         return self.evictor.state(self.allocated, self.stores(), layer, lane)
 
     # -- lanes -----------------------------------------------------------------------------------------------
     def copy_lane(self, source: KVCache, src: int, dst: int) -> None:
         """Lane ``src`` of ``source`` (this cache or a prompt's) becomes lane ``dst`` here."""
+        for layer in self.kv_layers + source.kv_layers:  # the copy takes the features with the entries
+            layer.write_features()
         if self.shapes is None:
             assert source.shapes is not None, "a lane is copied from a cache that holds it"
             self.allocate(source.shapes)

@@ -60,11 +60,13 @@ class Evictor:
         self.seen[dst] = source.seen[src]
         self.waited[dst] = source.waited[src]
 
-    def logs(self, lanes: range) -> bool:
-        """Whether a decode step of ``lanes`` must log its queries: some lane evicts within the log's length of
-        steps (this one included). The log is a ring by position, so the steps logged before an eviction fill it
-        as logging every step would."""
-        return self.interval == 1 or any(self.interval - self.waited[lane] <= self.history for lane in lanes)
+    def prepares(self, lanes: range) -> bool:
+        """Whether a decode step of ``lanes`` prepares an eviction (``Step.prepares``): some lane evicts within the
+        query log's length of steps, or in this step. The log is a ring by position, so the steps logged before an
+        eviction fill it as logging every step would; features deferred until then are computed from the same
+        stored values (only an eviction changes them)."""
+        ahead = max(self.history, 1)
+        return self.interval == 1 or any(self.interval - self.waited[lane] <= ahead for lane in lanes)
 
     def due(self, step: Step) -> list[bool]:
         """Whether each of the step's lanes evicts in it: every prompt chunk of an evicting stage, and every

@@ -57,6 +57,7 @@ class CacheLayer(CacheLayerMixin):
         self.inputs = inputs  # the score's declared weights, and where this layer leaves the step's queries
         self._store: KVStore | None = None
         self._entries: Entries | None = None
+        self._unfeatured: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, slots) whose features wait
         # Under positions=reindex: this layer's RoPE (layers may differ: Gemma 3's local and global tables).
         self.rotary = rotary if rotary is not None and rotary.rot_dim > 0 else None
         self.n = self.past = 0
@@ -85,6 +86,16 @@ class CacheLayer(CacheLayerMixin):
         assert self.feeding is not None, "a layer attends only after the step's write"
         return self.feeding
 
+    def write_features(self) -> None:
+        """The features of the entries written since the last call, in one batch: a decode step far from an
+        eviction (not ``Step.prepares``) leaves them to the next step that prepares one."""
+        if not self._unfeatured:
+            return
+        rows, slots = (torch.cat(parts) for parts in zip(*self._unfeatured))
+        self._unfeatured.clear()
+        weights = self.inputs.weights[self.layer_idx]
+        write_features(self.entries, self.layer_idx, self.store, self.policy, rows, slots, weights)
+
     # -- transformers' cache layer ---------------------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, feeding: Feeding, *args: Any, **kwargs: Any
@@ -100,8 +111,9 @@ class CacheLayer(CacheLayerMixin):
         store.write(rows, slots, stored.reshape(b * h, q, -1), value_states.reshape(b * h, q, -1))
         if feeding.step.collects:  # no later eviction reads what a step that does not collect writes
             if self.policy.feature_names:
-                weights = self.inputs.weights[layer]
-                write_features(e, layer, store, self.policy, rows.repeat_interleave(q), slots.reshape(-1), weights)
+                self._unfeatured.append((rows.repeat_interleave(q), slots.reshape(-1)))
+                if feeding.step.prepares:
+                    self.write_features()
             if e.row_sums is not None:
                 e.row_sums.add(layer, rows, slots)
         n = feeding.key_spans[layer]
