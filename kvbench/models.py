@@ -112,7 +112,7 @@ def local_path_problem(name_or_path: str) -> str | None:
     return None
 
 
-def _checkpoint_path(
+def checkpoint_path(
     source: str, name_or_path: str | None, cache_dir: str | None, embedded: str | None = None
 ) -> tuple[str, bool]:
     """Where to load from and whether it is local (local loads never touch the network)."""
@@ -137,7 +137,7 @@ def load_config(
 
     if source == "tiny":
         return tiny_llama_config()
-    path, local = _checkpoint_path(source, name_or_path, cache_dir, embedded)
+    path, local = checkpoint_path(source, name_or_path, cache_dir, embedded)
     return AutoConfig.from_pretrained(path, local_files_only=local)
 
 
@@ -157,7 +157,7 @@ def load_tokenizer(
 
     if source == "tiny":
         return tiny_tokenizer(), TINY_MAX_POSITIONS
-    path, local = _checkpoint_path(source, name_or_path, cache_dir, embedded)
+    path, local = checkpoint_path(source, name_or_path, cache_dir, embedded)
     config = load_config(source, name_or_path, cache_dir, embedded)
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
@@ -186,7 +186,7 @@ def load_model(
     if source == "tiny":
         model = tiny_llama(seed=seed)
     else:
-        path, local = _checkpoint_path(source, name_or_path, cache_dir, embedded)
+        path, local = checkpoint_path(source, name_or_path, cache_dir, embedded)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=local)
     model.to(device=dev, dtype=dt)
     model.eval()

