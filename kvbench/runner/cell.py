@@ -109,7 +109,8 @@ def fill_cell(
             wandb = spec.tracking.get("wandb", {})
             tracker = Tracker(wandb, run_name(cell), results.dir, resolved, cell.sweep, tags=tags)
             left = sum(len(set(expected[ex.id]) - done) for ex in todo)
-            progress = tqdm(total=left, desc=f"{spec.policy.name} {spec.stage} budget={spec.budget}", leave=False)
+            budget = "full" if not spec.policy.evicts else spec.budget  # the full cache ignores the budget
+            progress = tqdm(total=left, desc=f"{spec.policy.name} {spec.stage} budget={budget}", leave=False)
             for ex, outcome in example_outcomes(lm, task, spec, todo, rendered, references, done):
                 row = Row(cell, ex.id, KIND_EXAMPLE, outcome, origin)
                 results.append(row)
