@@ -21,6 +21,7 @@ from kvbench.embedded import embedded_checkpoint
 from kvbench.results.writer import CellResults, read_rows
 from kvbench.runner import model_cache
 from kvbench.runner.cell import run_cell
+from kvbench.tasks.lm_eval.harness import MEAN, MEAN_OF_DEFINED, aggregation_kind
 
 pytest.importorskip("lm_eval")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -61,6 +62,7 @@ filter_list:
 metric_list:
   - {{metric: exact_match, aggregation: mean, higher_is_better: true, ignore_case: true}}
 """
+SAMPLED_YAML = QA_YAML.replace("local_qa", "local_sampled").replace("do_sample: false", "do_sample: true")
 BLEU_YAML = QA_YAML.replace("local_qa", "local_bleu").replace(
     "{{metric: exact_match, aggregation: mean, higher_is_better: true, ignore_case: true}}",
     "{{metric: bleu, aggregation: bleu, higher_is_better: true}}",
@@ -72,7 +74,8 @@ def include(tmp_path: Path) -> Path:
     """A folder of the test's task YAMLs, their data beside them."""
     folder = tmp_path / "tasks"
     folder.mkdir()
-    for name, rows, template in (("mc", MC, MC_YAML), ("qa", QA, QA_YAML), ("bleu", QA, BLEU_YAML)):
+    yamls = {"mc": (MC, MC_YAML), "qa": (QA, QA_YAML), "bleu": (QA, BLEU_YAML), "sampled": (QA, SAMPLED_YAML)}
+    for name, (rows, template) in yamls.items():
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
         (folder / f"{name}.yaml").write_text(template.format(data=data))
@@ -174,10 +177,21 @@ def test_bad_input_is_refused_before_any_model_loads(tmp_path, include, monkeypa
 
     assert "lm-eval has no task 'no_such_task'" in refusal(overrides(include, "no_such_task", model="tiny-llama"))
     assert "aggregated by bleu, not a mean over docs" in refusal(overrides(include, "local_bleu", model="tiny-llama"))
+    assert "give it greedy settings" in refusal(overrides(include, "local_sampled", model="tiny-llama"))
     mixed = overrides(include, "local_mc,local_qa", model="tiny-llama")
     assert "run them as separate cells" in refusal(mixed)
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # lm-eval not installed
     assert "pip install 'kvbench[lm-eval]'" in refusal(overrides(include, "local_mc", model="tiny-llama"))
+
+
+def test_only_a_mean_over_docs_is_carried_by_rows():
+    """lm-eval's own aggregations: a mean, RULER's mean over the docs that have a length, and ones a row per doc
+    cannot carry (corpus BLEU, F1 over all docs, the median)."""
+    from lm_eval.api.metrics import bleu, f1_score, mean, median
+    from lm_eval.tasks.ruler.common_utils import aggregate_metrics
+
+    kinds = [aggregation_kind(f) for f in (mean, aggregate_metrics, bleu, f1_score, median, max)]
+    assert kinds == [MEAN, MEAN_OF_DEFINED, None, None, None, None]
 
 
 @pytest.mark.slow

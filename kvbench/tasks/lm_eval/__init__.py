@@ -48,6 +48,7 @@ class LmEvalTask(Task):
         require_lm_eval()
         self._docs: dict[str, Doc] | None = None
         self._model: dict[str, Any] = {}
+        self._continuation_tokens: dict[str, int] = {}
         if self.metric:
             self.primary_metric = self.metric  # type: ignore[misc]  # the row's score follows the choice
 
@@ -95,18 +96,14 @@ class LmEvalTask(Task):
             return RenderedPrompt(input_ids=encode_context(tokenizer, example.prompt))
         pairs = [encode_pair(tokenizer, *inst.arguments) for inst in doc.instances]
         longest = max((context for context, _ in pairs), key=len)
+        self._continuation_tokens[example.id] = max(len(continuation) for _, continuation in pairs)
         return ContinuationsPrompt(input_ids=longest, pairs=pairs)
 
     def generation(self, example: Example) -> GenerationSettings:
         doc = self.docs()[example.id]
-        if doc.request_type != GENERATE_UNTIL:
-            return GenerationSettings(max_new_tokens=max(len(inst.arguments[1]) for inst in doc.instances))
+        if doc.request_type != GENERATE_UNTIL:  # the longest continuation, counted when it was rendered
+            return GenerationSettings(max_new_tokens=self._continuation_tokens.get(example.id, 1))
         kwargs = dict(doc.instances[0].arguments[1])
-        if kwargs.get("do_sample") or kwargs.get("temperature"):
-            raise TaskError(
-                f"lm-eval task {doc.task_name} samples its answers ({kwargs}); kvbench decodes greedily unless "
-                "sampling.do_sample=true, so run it with lm-eval's settings made explicit there"
-            )
         until = kwargs.get("until") or []
         stops = [until] if isinstance(until, str) else list(until)
         new_tokens = kwargs.get("max_gen_toks") or kwargs.get("max_new_tokens") or DEFAULT_MAX_GEN_TOKS

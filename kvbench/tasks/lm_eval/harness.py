@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,12 +123,18 @@ def check_task(name: str, task: Any) -> None:
 
 
 def check_instances(name: str, instances: list[Any]) -> None:
-    """A doc's requests must be one kind kvbench runs, each asked once."""
+    """A doc's requests must be one kind kvbench runs, each asked once, a generated one greedily."""
     kinds = {inst.request_type for inst in instances}
     if len(kinds) != 1 or not kinds <= {GENERATE_UNTIL, LOGLIKELIHOOD}:
         raise TaskError(
             f"lm-eval task {name} asks {sorted(kinds)} requests of one doc; kvbench runs {GENERATE_UNTIL} "
             f"or {LOGLIKELIHOOD} requests, one kind per doc"
+        )
+    settings = instances[0].arguments[1] if kinds == {GENERATE_UNTIL} else {}
+    if settings.get("do_sample") or settings.get("temperature"):
+        raise TaskError(
+            f"lm-eval task {name} samples its answers ({settings}); kvbench's rows compare greedy answers, so give "
+            "it greedy settings in a task YAML of your own (task.include_path)"
         )
     if any(inst.repeats != 1 for inst in instances):
         raise TaskError(
@@ -140,6 +147,8 @@ MEAN = "mean"
 # A mean over the docs that have a value, -1 marking a doc that has none (RULER's score at each length).
 MEAN_OF_DEFINED = "mean_of_defined"
 UNDEFINED = -1.0
+# Values whose mean no other common aggregation (median, max, a sum) gives.
+PROBES = ([0.0, 0.0, 1.0], [0.25, 0.75, 0.5, 1.0], [1.0])
 
 
 def aggregation_kind(aggregate: Any) -> str | None:
@@ -147,10 +156,10 @@ def aggregation_kind(aggregate: Any) -> str | None:
     ``mean_of_defined`` (a mean that skips -1), or None (anything else: corpus BLEU, F1 over all docs, ...),
     which a row per doc cannot carry."""
     try:
-        plain = float(aggregate([0.0, 1.0, 0.5])) == 0.5 and float(aggregate([1.0])) == 1.0
-        with_undefined = float(aggregate([1.0, UNDEFINED]))
+        means = [math.isclose(float(aggregate(values)), sum(values) / len(values)) for values in PROBES]
+        with_undefined = float(aggregate([1.0, 0.0, UNDEFINED]))
     except Exception:  # an aggregation over other values than numbers (BLEU's pairs of texts, ...)
         return None
-    if not plain:
+    if not all(means):
         return None
-    return {0.0: MEAN, 1.0: MEAN_OF_DEFINED}.get(with_undefined)
+    return {0.0: MEAN, 0.5: MEAN_OF_DEFINED}.get(with_undefined)
