@@ -21,7 +21,8 @@ from kvbench.embedded import embedded_checkpoint
 from kvbench.results.writer import CellResults, read_rows
 from kvbench.runner import model_cache
 from kvbench.runner.cell import run_cell
-from kvbench.tasks.lm_eval.harness import MEAN, MEAN_OF_DEFINED, aggregation_kind
+from kvbench.tasks.lm_eval.harness import MEAN, MEAN_OF_DEFINED, aggregation_kind, load_docs
+from kvbench.tasks.registry import build_task
 
 pytest.importorskip("lm_eval")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -95,6 +96,13 @@ def cell(tmp_path: Path, name: str, args: list[str]) -> list[dict]:
     return rows
 
 
+def spec_task(args: list[str]) -> tuple[dict, dict]:
+    """The task config and model config a cell of ``args`` builds its task from."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        spec = validate(compose("config", overrides=args))
+    return spec.task_cfg, spec.model
+
+
 def lm_eval_samples(task: str, include: Path | None, limit: int, metadata: dict | None = None) -> list[dict]:
     """lm-eval's own run of SmolLM2 (its ``hf`` model, float32, greedy): the logged samples, in doc order."""
     import lm_eval
@@ -105,7 +113,10 @@ def lm_eval_samples(task: str, include: Path | None, limit: int, metadata: dict 
         model="hf",
         model_args=f"pretrained={path},dtype=float32",
         tasks=[task],
-        task_manager=TaskManager(include_path=str(include) if include else None, metadata=metadata),
+        # lm-eval's own tasks get the model's arguments as metadata (RULER reads its tokenizer there) when lm-eval
+        # builds the task manager itself
+        task_manager=TaskManager(include_path=str(include)) if include else None,
+        metadata=metadata,
         limit=limit,
         log_samples=True,
         device="cpu",
@@ -207,7 +218,12 @@ def test_ruler_niah_full_cache_scores_as_lm_eval_hf(tmp_path):
     ]
     rows = cell(tmp_path, "full", args)
     samples = lm_eval_samples("niah_single_1", None, 2, {"max_seq_lengths": [1024]})
+    assert [r["example_id"] for r in rows] == [f"niah_single_1/{s['doc_id']}" for s in samples]
     for row, sample in zip(rows, samples):
         expected = {name: sample[name] for name in sample["metrics"] if sample[name] != -1}
         assert metrics_of(row) == expected == {"1024": expected["1024"]}
-        assert row["prediction"] == sample["filtered_resps"][0]
+        assert row["prediction"] == sample["resps"][0][0]
+    # Another process draws the same docs (a resumed cell finds its own): the cached load forgotten, drawn again.
+    first = [ex.prompt for ex in build_task(*spec_task(args)).examples()]
+    load_docs.cache_clear()
+    assert [ex.prompt for ex in build_task(*spec_task(args)).examples()] == first

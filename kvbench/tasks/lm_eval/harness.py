@@ -7,17 +7,18 @@ and runs its other tasks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kvbench.tasks.base import TaskError
 
 INSTALL = "pip install 'kvbench[lm-eval]'"
-# lm-eval's default seed of the few-shot sampler (simple_evaluate's fewshot_random_seed).
-FEWSHOT_SEED = 1234
 GENERATE_UNTIL = "generate_until"
 LOGLIKELIHOOD = "loglikelihood"
 
@@ -72,8 +73,6 @@ def load_docs(
     lm-eval's few-shot seed); ``metadata`` is JSON. Loaded once per process (the config's check and the cell share
     them, and so do a sweep's cells)."""
     require_lm_eval()
-    from lm_eval.evaluator_utils import get_sample_size
-
     manager = task_manager(include_path, metadata)
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
@@ -82,27 +81,56 @@ def load_docs(
             f"lm-eval has no task {unknown[0]!r}{where}; `lm-eval ls tasks` lists them, and task.include_path=DIR "
             "adds a folder of your own task YAMLs"
         )
-    try:
-        tasks = manager.load(list(names))["tasks"]
-    except Exception as err:  # a task whose data cannot be built (offline hub, a missing tokenizer, ...)
-        raise TaskError(f"lm-eval could not build {names}: {type(err).__name__}: {err}") from err
+    with lm_eval_seeds():
+        try:
+            tasks = manager.load(list(names))["tasks"]
+        except Exception as err:  # a task whose data cannot be built (offline hub, a missing tokenizer, ...)
+            raise TaskError(f"lm-eval could not build {names}: {type(err).__name__}: {err}") from err
+        return [doc for name, task in tasks.items() for doc in task_docs(name, task, limit, num_fewshot)]
+
+
+def task_docs(name: str, task: Any, limit: float | None, num_fewshot: int | None) -> list[Doc]:
+    """One lm-eval task's docs, its requests built with lm-eval's few-shot settings and seed."""
+    from lm_eval.defaults import DEFAULT_OTHER_SEED
+    from lm_eval.evaluator_utils import get_sample_size
+
+    check_task(name, task)
+    if num_fewshot is not None and task.get_config("num_fewshot") != 0:
+        task.set_config(key="num_fewshot", value=num_fewshot)
+    elif task.get_config("num_fewshot") is None:
+        task.set_config(key="num_fewshot", value=0)
+    task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)  # simple_evaluate's fewshot_random_seed
+    task.build_all_requests(limit=get_sample_size(task, limit), rank=0, world_size=1)
+    by_doc: dict[int, list[Any]] = {}
+    for instance in task.instances:
+        by_doc.setdefault(instance.doc_id, []).append(instance)
     docs = []
-    for name, task in tasks.items():
-        check_task(name, task)
-        if num_fewshot is not None and task.get_config("num_fewshot") != 0:
-            task.set_config(key="num_fewshot", value=num_fewshot)
-        elif task.get_config("num_fewshot") is None:
-            task.set_config(key="num_fewshot", value=0)
-        task.set_fewshot_seed(seed=FEWSHOT_SEED)
-        task.build_all_requests(limit=get_sample_size(task, limit), rank=0, world_size=1)
-        by_doc: dict[int, list[Any]] = {}
-        for instance in task.instances:
-            by_doc.setdefault(instance.doc_id, []).append(instance)
-        for doc_id, instances in sorted(by_doc.items()):
-            instances.sort(key=lambda inst: inst.idx)
-            check_instances(name, instances)
-            docs.append(Doc(name, task, doc_id, instances[0].doc, instances))
+    for doc_id, instances in sorted(by_doc.items()):
+        instances.sort(key=lambda inst: inst.idx)
+        check_instances(name, instances)
+        docs.append(Doc(name, task, doc_id, instances[0].doc, instances))
     return docs
+
+
+@contextlib.contextmanager
+def lm_eval_seeds() -> Iterator[None]:
+    """The global seeds ``lm_eval.simple_evaluate`` sets before it loads tasks and builds their requests, so that
+    a task that draws its docs (RULER's generated ones) draws the docs lm-eval's own run draws, and the same in every
+    process (a resumed cell finds its docs again); the generators' states are put back afterwards."""
+    import numpy as np
+    import torch
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
 
 
 def check_task(name: str, task: Any) -> None:
