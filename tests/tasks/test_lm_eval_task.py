@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,8 +193,16 @@ def test_bad_input_is_refused_before_any_model_loads(tmp_path, include, monkeypa
     assert "give it greedy settings" in refusal(overrides(include, "local_sampled", model="tiny-llama"))
     mixed = overrides(include, "local_mc,local_qa", model="tiny-llama")
     assert "run them as separate cells" in refusal(mixed)
-    monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # lm-eval not installed
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # lm-eval not installed
     assert "pip install 'kvbench[lm-eval]'" in refusal(overrides(include, "local_mc", model="tiny-llama"))
+
+
+def test_kvbench_imports_every_task_without_lm_eval():
+    """Without lm-eval, the registry still imports every task module (lm-eval is imported when a cell asks)."""
+    code = "import sys; sys.modules['lm_eval'] = None; from kvbench.tasks.registry import TASKS; print(TASKS.names())"
+    env = {**os.environ, "PYTHONPATH": str(CONFIG_DIR.parent)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "'lm_eval'" in out and "'retrieval'" in out
 
 
 def test_only_a_mean_over_docs_is_carried_by_rows():
