@@ -35,7 +35,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     data = _plain_config(cfg)
     spec = _engine_spec(data)
     task_data = dict(data.get("task") or {})
-    task = check_task(task_data)
+    task = check_task(task_data, spec.model)
     if spec.batch_size > 1 and not task.protocol.batchable:
         raise ConfigError(
             f"task={task_data.get('name')} {task.protocol.alone}, so batch_size={spec.batch_size} would label one "
@@ -199,12 +199,12 @@ def _check_tracking(tracking: dict[str, Any]) -> None:
         raise ConfigError(problem)
 
 
-def check_task(task_cfg: dict[str, Any]) -> Task:
+def check_task(task_cfg: dict[str, Any], model: dict[str, Any] | None = None) -> Task:
     """Build the task (cheap: no model) so unknown names, missing files and unreadable prompts fail now."""
     from kvbench.tasks.registry import build_task
 
     try:
-        task = build_task(task_cfg)
+        task = build_task(task_cfg, model)
         task.validate()
     except (ValueError, FileNotFoundError, TypeError) as err:
         raise ConfigError(f"task={task_cfg.get('name')}: {err}") from err

@@ -51,7 +51,7 @@ def run_cell(
     directory), leave it to that process instead of failing.
     """
     spec = validate(cfg)
-    task = build_task(spec.task_cfg)
+    task = build_task(spec.task_cfg, spec.model)
     check_protocol(task)
     cell = CellIdentity(
         model=spec.model["name"],

@@ -3,8 +3,9 @@ run's policy, ``batch_size`` sequences decoded together (1: one at a time), each
 times (seeded apart, made one row by :mod:`kvbench.runner.samples`), and scores each example as soon as its
 samples are done (with fidelity to the full cache when asked for); ``shared_context`` runs the same way, one row per
 question, each example's context prefilled and compressed once (:mod:`kvbench.runner.questions`); a protocol whose
-examples run alone (``likelihood``: teacher-force each text, :mod:`kvbench.runner.perplexity`) has its runner in
-``ALONE``. A failure becomes the ``Failure`` of the examples it took down; the others go on."""
+examples run alone (``likelihood``: teacher-force each text, :mod:`kvbench.runner.perplexity`; ``continuations``:
+each of an example's continuations, :mod:`kvbench.runner.continuations`) has its runner in ``ALONE``. A failure
+becomes the ``Failure`` of the examples it took down; the others go on."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvbench.config import ConfigError, RunSpec
 from kvbench.engine.engine import DecodeSettings, Generation, Request
 from kvbench.models import LoadedModel
 from kvbench.results.schema import Failure, Outcome
-from kvbench.runner import perplexity
+from kvbench.runner import continuations, perplexity
 from kvbench.runner.fidelity.references import (
     generation_agreement,
     generation_reference,
@@ -30,7 +31,7 @@ from kvbench.runner.passes import example_settings, policy_pass, run_engine
 from kvbench.runner.questions import asked
 from kvbench.runner.samples import Sample, combine
 from kvbench.tasks.base import Example, RenderedPrompt, Task
-from kvbench.tasks.protocol import GENERATE, LIKELIHOOD, SHARED_CONTEXT
+from kvbench.tasks.protocol import CONTINUATIONS, GENERATE, LIKELIHOOD, SHARED_CONTEXT
 
 log = logging.getLogger("kvbench")
 
@@ -144,7 +145,10 @@ def example_outcomes(
 OutcomeOf = Callable[[LoadedModel, Task, RunSpec, Example, RenderedPrompt, ReferenceStore], Outcome]
 # The protocols (kvbench.tasks.protocol) whose examples run one at a time, each with its runner; ``generate``
 # runs through the engine's batches above.
-ALONE: dict[str, OutcomeOf] = {LIKELIHOOD.name: perplexity.score_text}
+ALONE: dict[str, OutcomeOf] = {
+    LIKELIHOOD.name: perplexity.score_text,
+    CONTINUATIONS.name: continuations.score_continuations,
+}
 
 
 def check_protocol(task: Task) -> None:

@@ -100,3 +100,13 @@ class Task(ABC):
         """``likelihood`` protocol: metric values from the scored tokens' negative log-likelihoods (nats) under the
         run's policy and under the full cache."""
         raise NotImplementedError(f"task {self.name} declares protocol {self.protocol.name}, not likelihood")
+
+    def score_continuations(self, example: Example, results: list[tuple[float, bool]]) -> dict[str, float]:
+        """``continuations`` protocol: metric values from each pair's summed log-likelihood (nats) and whether greedy
+        decoding would have produced the continuation, in the order of the prompt's pairs."""
+        raise NotImplementedError(f"task {self.name} declares protocol {self.protocol.name}, not continuations")
+
+    def use_model(self, model: dict[str, Any]) -> None:
+        """The run's model config (no weights), given before ``validate`` and ``examples``: for a task whose examples
+        depend on the model (lm-eval's synthetic tasks size their data with its tokenizer). Most tasks ignore it."""
+        return None

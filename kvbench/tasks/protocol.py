@@ -5,6 +5,10 @@ The runner looks up what to do by the protocol a task declares, never by the tas
 - ``generate``: the prompt (``RenderedPrompt``) is prefilled, compressed, and answered; the task scores the text.
 - ``likelihood``: a prefix (``ScoredText.input_ids``) is prefilled, then the text's next tokens
   (``ScoredText.targets``) are teacher-forced and their log-likelihoods go to ``Task.score_nll`` (perplexity).
+- ``continuations``: each of an example's (context, continuation) pairs (``ContinuationsPrompt.pairs``) is run
+  alone: the context prefilled and compressed, the continuation teacher-forced; its summed log-likelihood and
+  whether greedy decoding would have produced it go to ``Task.score_continuations`` (lm-eval's ``loglikelihood``
+  requests: the choices of a multiple-choice question).
 - ``shared_context``: one context (``SharedContextPrompt.input_ids``) is compressed once and several questions
   (``SharedContextPrompt.questions``) are each asked of that compressed context; the example's ``questions``
   hold their texts and references.
@@ -42,6 +46,14 @@ class SharedContextPrompt(RenderedPrompt):
     questions: list[list[int]] = field(default_factory=list)
 
 
+@dataclass
+class ContinuationsPrompt(RenderedPrompt):
+    """Pairs of (context ids, continuation ids), each scored alone; ``input_ids`` is the longest context (what the
+    model must hold, checked with the longest continuation as the new tokens)."""
+
+    pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class Protocol:
     """One way to run an example: its name, the prompt ``render`` returns, and whether examples may share a batch
@@ -64,3 +76,10 @@ LIKELIHOOD = Protocol(
     samples=False,
 )
 SHARED_CONTEXT = Protocol("shared_context", SharedContextPrompt)
+CONTINUATIONS = Protocol(
+    "continuations",
+    ContinuationsPrompt,
+    batchable=False,
+    alone="scores each continuation alone (teacher forcing)",
+    samples=False,
+)

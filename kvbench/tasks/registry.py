@@ -24,11 +24,15 @@ def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
     return wrap
 
 
-def build_task(cfg: dict[str, Any]) -> Task:
+def build_task(cfg: dict[str, Any], model: dict[str, Any] | None = None) -> Task:
     """Build a task from its config group: ``name`` picks the class, the other keys are its options (the fields of
-    its dataclass, typed: an unknown key or a value of the wrong type is a ``TaskError``)."""
+    its dataclass, typed: an unknown key or a value of the wrong type is a ``TaskError``); ``model``: the run's model
+    config, handed to ``Task.use_model``."""
     options = dict(cfg)
     name = options.pop("name")
     options.pop("fidelity", None)  # read by the runner (kvbench.runner.fidelity), not a task argument
     cls = TASKS.get(name)
-    return cls(**typed_options(cls, options))
+    task = cls(**typed_options(cls, options))
+    if model is not None:
+        task.use_model(model)
+    return task

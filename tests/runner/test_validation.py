@@ -129,6 +129,8 @@ CASES = [
     (["task.n=null"], "task.n must be a whole number >= 1 (synthetic prompts have no 'all'), not None"),
     (["policy=window", "policy.score=bogus"], "policy=window: unknown score 'bogus'"),
     (["task.context_tokens=20000"], "tokens (prompt + max_new_tokens) exceed the model's limit of 16384"),
+    (["task=lm_eval"], "task.tasks must be set (it is ??? in the config): add task.tasks=... to the command line"),
+    (["task=lm_eval", "task.tasks=[no_such_task]"], "lm-eval has no task 'no_such_task'; `lm-eval ls tasks`"),
     (["task=jsonl"], "task.path must be set (it is ??? in the config): add task.path=... to the command line"),
     (["task=jsonl", "task.path=/nonexistent/prompts.jsonl"], "task.path=/nonexistent/prompts.jsonl does not exist"),
     (
