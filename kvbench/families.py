@@ -120,9 +120,9 @@ def layer_windows(config: Any) -> list[int | None]:
 
 def policy_problem(config: Any, policy: Any) -> str | None:
     """Why this policy cannot run exactly on this model (a family that bypasses the attention interface,
-    re-indexed positions or pre-RoPE queries without a RoPE kvbench can undo, merging inside sliding layers),
-    or None."""
-    from kvbench.engine.plan import sliding_problem
+    re-indexed positions or pre-RoPE queries without a RoPE kvbench can undo, merging inside sliding layers, a
+    per-layer budget list of another length than the layers under the budget), or None."""
+    from kvbench.engine.plan import layers_problem, sliding_problem
     from kvbench.policies.positions import QUERIES_BEFORE_ROPE, reindex_refusal, rope_refusal
 
     problem = support_error(config)
@@ -130,4 +130,5 @@ def policy_problem(config: Any, policy: Any) -> str | None:
         problem = reindex_refusal(config)
     if problem is None and policy.queries is not None and not policy.queries.rope:
         problem = rope_refusal(config, None, *QUERIES_BEFORE_ROPE)
-    return problem or sliding_problem(policy, layer_windows(config))
+    windows = layer_windows(config)
+    return problem or sliding_problem(policy, windows) or layers_problem(policy, windows)

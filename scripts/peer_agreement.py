@@ -64,6 +64,11 @@ class Method:
         inner = f"{self.inner}({args(self.inner_kwargs)})" if self.inner else ""
         return f"{self.press}({', '.join(a for a in (inner, args(self.kwargs)) if a)})"
 
+    def mean_ratio(self, ratio: float) -> float:
+        """The share kvpress evicts on average: ``ratio``, or the mean of a per-layer press's own ratios."""
+        ratios = self.kwargs.get("compression_ratios")
+        return sum(ratios) / len(ratios) if ratios else ratio
+
     def config_label(self) -> str:
         return " ".join([f"policy={self.policy}", *(f"policy.{k}={v}" for k, v in self.overrides.items())])
 
@@ -73,6 +78,8 @@ def args(kwargs: dict[str, Any]) -> str:
 
 
 SNAPKV = {"window_size": 64, "kernel_size": 5}  # kvpress's defaults; kvbench's snapkv.yaml has window 32
+# layers_snapkv.yaml's per-layer shares of the prompt (mean 0.5, the default --ratio): kvpress evicts the rest.
+LAYER_SHARES = list(OmegaConf.load(REPO / "configs" / "policy" / "layers_snapkv.yaml").allocation.budgets)
 METHODS: dict[str, Method] = {
     "streamingllm": Method("StreamingLLMPress", "streamingllm", {"n_sink": 4}),
     "tova": Method("TOVAPress", "tova"),
@@ -87,6 +94,14 @@ METHODS: dict[str, Method] = {
         "adakv",
         {"alpha_safeguard": 0.2},
         {"score.window": 64, "allocation.floor": 0.2},
+        inner="SnapKVPress",
+        inner_kwargs=SNAPKV,
+    ),
+    "layers_snapkv": Method(
+        "PerLayerCompressionPress",
+        "layers_snapkv",
+        {"compression_ratios": [round(1 - share, 10) for share in LAYER_SHARES]},
+        {"score.window": 64},
         inner="SnapKVPress",
         inner_kwargs=SNAPKV,
     ),
@@ -228,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, method in methods.items():
         agreement = Agreement()
         for index, ids in enumerate(prompts):
-            budget = kvpress_kept_count(len(ids), a.ratio) if a.budget == "count" else round(1 - a.ratio, 10)
+            ratio = method.mean_ratio(a.ratio)
+            budget = kvpress_kept_count(len(ids), ratio) if a.budget == "count" else round(1 - ratio, 10)
             kept, scores = run_kvbench(lm, method, ids, budget)
             compare(agreement, index, kept, peer[f"{name}/{index}/kept"], peer[f"{name}/{index}/scores"], scores, a.eps)
         rows.append((name, method.press_label(), method.config_label(), agreement))

@@ -76,7 +76,9 @@ class Recorder:
         scorer = press if isinstance(press, ScorerPress) else getattr(press, "press", None)
         if isinstance(scorer, ScorerPress):
             scorer.score = self._scoring(scorer.score)
-        press.compress = self._compressing(press.compress)
+        # PerLayerCompressionPress hands each layer to its scorer's own hook: the scorer's compress does the work.
+        compressing = scorer if per_layer(press) else press
+        compressing.compress = self._compressing(compressing.compress)
 
     def _scoring(self, score: Any) -> Any:
         def recorded(module: Any, *args: Any) -> torch.Tensor:
@@ -103,6 +105,11 @@ class Recorder:
         return recorded
 
 
+def per_layer(press: Any) -> bool:
+    """Whether the press sets its scorer's ratio layer by layer (``PerLayerCompressionPress``)."""
+    return hasattr(press, "compression_ratios")
+
+
 def set_attention(model: Any, eager: bool) -> None:
     """ObservedAttentionPress reads the attention weights, which only eager attention returns; AdaKV refuses it."""
     model.set_attn_implementation("eager" if eager else "sdpa")
@@ -119,7 +126,8 @@ def main(request_path: str, out_path: str) -> None:
         set_attention(model, bool(spec.get("eager")))
         for index, ids in enumerate(request["prompts"]):
             press = build_press(spec)
-            press.compression_ratio = request["ratio"]
+            if not per_layer(press):  # a per-layer press takes its ratios as arguments (their mean is read-only)
+                press.compression_ratio = request["ratio"]
             recorder = Recorder(press, layers, heads, len(ids))
             with torch.inference_mode(), press(model):
                 model.model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())

@@ -56,6 +56,18 @@ def tiny_policy_cfg(name: str, **extra) -> dict:
     return tiny_counts(OmegaConf.to_container(cfg, resolve=True))
 
 
+def fit_layers(cfg: dict, n_layers: int) -> dict:
+    """``cfg`` with an explicit per-layer budget list (``allocation=layers``) resampled to ``n_layers`` entries
+    (evenly spaced picks, the first and last kept): a shipped list names one model's layers, the tests' models
+    have others."""
+    allocation = cfg.get("allocation")
+    if not (isinstance(allocation, dict) and allocation.get("kind") == "layers"):
+        return cfg
+    listed = allocation["budgets"]
+    picks = [round(i * (len(listed) - 1) / max(n_layers - 1, 1)) for i in range(n_layers)]
+    return cfg | {"allocation": allocation | {"budgets": [listed[i] for i in picks]}}
+
+
 def keeping_all(cfg: dict) -> dict:
     """A policy's config as a budget of the sequence length keeps everything: a threshold allocation decides
     what is kept whatever the budget, so there it gets the threshold every score reaches."""

@@ -121,6 +121,14 @@ def test_kvpress_kept_count_rounds_down():
     assert peer_agreement.kvpress_kept_count(3, 0.99) == 1
 
 
+def test_a_per_layer_press_is_budgeted_at_its_mean_ratio():
+    """PerLayerCompressionPress evicts compression_ratios[l] in layer l: kvbench's run budget is their mean
+    (layers_snapkv.yaml's shares 0.75, 0.5, 0.25, ten layers each), whatever --ratio says."""
+    method = peer_agreement.METHODS["layers_snapkv"]
+    assert method.kwargs["compression_ratios"] == [0.25] * 10 + [0.5] * 10 + [0.75] * 10
+    assert method.mean_ratio(0.9) == 0.5 and peer_agreement.METHODS["snapkv"].mean_ratio(0.9) == 0.9
+
+
 def test_the_peer_side_imports_nothing_from_kvbench():
     tree = ast.parse((REPO / "scripts" / "peer_kvpress_side.py").read_text(encoding="utf-8"))
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -16,6 +16,7 @@ from kvbench.engine import allocator
 from kvbench.engine.attention import kvbench_attention_enabled
 from kvbench.engine.batch import BatchLoop, Finished
 from kvbench.engine.fused_llama import fused_forward_for
+from kvbench.engine.plan import layers_problem
 from kvbench.engine.sampling import DecodeSettings
 from kvbench.engine.sequence import Generation, Request
 from kvbench.engine.settings import EngineSettings
@@ -32,6 +33,9 @@ class Engine:
         check_supported(model.config)
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.windows = layer_windows(model.config)
+        problem = layers_problem(settings.policy, self.windows)
+        if problem:
+            raise ValueError(problem)
         if next(model.parameters()).device.type == "cpu":
             allocator.map_large_blocks_alone()
         self.fused = fused_forward_for(model, settings.fused)

@@ -37,12 +37,14 @@ class LayerPlan:
     def window_keep(self) -> int | None:
         return None if self.window is None else self.window - 1
 
-    def rows_capacity(self, heads: int, phases: tuple[Phase, ...], policy: Policy) -> int:
+    def rows_capacity(self, heads: int, phases: tuple[Phase, ...], policy: Policy, layers: int = 1) -> int:
         """Slots a row needs in a cache that serves ``phases``. Under per-head allocation one head may come to
-        hold most of its layer's ``heads × budget``."""
+        hold most of its layer's ``heads × budget``; when the split spans the ``layers`` layers
+        (``Allocation.pools_layers``), most of all their rows' ``layers × heads × budget``."""
         cap = max((self.prefill if phase is Phase.prefill else self.decode) for phase in phases)
         if policy.allocation.per_head and self.budget is not None:
-            cap = min(self.total, cap + (heads - 1) * self.budget)
+            sharing = heads * (layers if policy.allocation.pools_layers else 1)
+            cap = min(self.total, cap + (sharing - 1) * self.budget)
         return cap
 
 
@@ -88,6 +90,19 @@ def window_only(policy: Policy) -> Policy:
     return never_evicting(policy.name, policy.quantize, policy.positions)
 
 
+def budget_layers(policy: Policy, windows: list[int | None]) -> list[int]:
+    """The layers the policy's budget is split over: every full-attention layer, and the sliding ones where the
+    policy evicts inside them."""
+    in_sliding = evicts_in_sliding_layers(policy, windows)
+    return [i for i, w in enumerate(windows) if w is None or in_sliding]
+
+
+def layers_problem(policy: Policy, windows: list[int | None]) -> str | None:
+    """Why the policy's allocation cannot split its budget over these layers (a per-layer list of another
+    length), or None."""
+    return policy.allocation.layers_problem(len(budget_layers(policy, windows))) if policy.evicts else None
+
+
 def plan_layers(
     policy: Policy,
     budget: int | None,
@@ -102,8 +117,7 @@ def plan_layers(
     problem = sliding_problem(policy, windows)
     if problem:
         raise ValueError(problem)
-    in_sliding = evicts_in_sliding_layers(policy, windows)
-    evicting = [i for i, w in enumerate(windows) if w is None or in_sliding]
+    evicting = budget_layers(policy, windows)
     budgets: dict[int, int | None] = dict.fromkeys(range(len(windows)))
     if budget is not None and evicting:
         # No layer needs more than it will ever hold in an evicting step.

@@ -140,6 +140,14 @@ class Allocation:
     # True when what a row keeps follows its scores, not a count (a threshold): the allocation then decides at
     # every evicting step, under the budget or over it, and the budget only caps what a row keeps.
     thresholded: bool = False
+    # True when one split spans every layer of a sequence (``global``): the cache then evicts a sequence's layers
+    # together, once their total exceeds ``layers × heads × budget``, and a row may hold any share of it.
+    pools_layers: bool = False
+
+    def layers_problem(self, n_layers: int) -> str | None:
+        """Why this allocation cannot split a budget over ``n_layers`` layers (an explicit list of another
+        length), or None; asked from the model's config before any weights load."""
+        return None
 
     def layer_budgets(self, budget: int, n_layers: int, limit: int | None = None, reserved: int = 0) -> list[int]:
         """Per-layer token budgets (per KV head, on average), summing to ``n_layers × budget``. ``limit`` is the
@@ -193,6 +201,11 @@ class Policy:
             raise ValueError(f"positions {self.positions!r} must be one of {POSITION_MODES}")
         if self.sliding_layers not in SLIDING_MODES:
             raise ValueError(f"sliding_layers {self.sliding_layers!r} must be one of {SLIDING_MODES}")
+        if self.merge and self.allocation.pools_layers:
+            raise ValueError(
+                f"allocation={self.allocation.describe()} ranks every layer together, and a merge folds entries "
+                "within one layer; use policy.merge=false"
+            )
         if self.unsupported_stages is None:
             self.unsupported_stages = tuple(self.score.unsupported_stages) if self.evicts else ()
         reads = self.score.queries

@@ -6,7 +6,7 @@ A policy config names its parts and carries their options (every option is a Hyd
     name: h2o
     score: {kind: accumulated}            # or a bare kind: ``score: accumulated``; ``none`` = full cache
     scope: {kind: sinks_window, n_sink: 0, window: 0.5}
-    allocation: {kind: uniform}           # uniform | pyramid (beta) | adaptive (floor)
+    allocation: {kind: uniform}           # uniform | pyramid (beta) | adaptive (floor) | global (floor) | layers
     merge: false                          # true: fold evicted entries into their most similar kept entry; cam
     quantize: none                        # none | int8 | fp8
     positions: absolute                   # absolute | reindex
@@ -82,8 +82,11 @@ def _part(table: Registry[type[P]], spec: Any) -> P:
 
 
 def _accepts(hint: Any, value: Any) -> bool:
-    """Whether ``value`` fits a plain type hint (int, float, str, bool or a union of them; an int is a float);
-    any other hint is left to the part."""
+    """Whether ``value`` fits a plain type hint (int, float, str, bool, a union of them or a list of one; an int is
+    a float); any other hint is left to the part."""
+    if typing.get_origin(hint) is list:
+        inner = typing.get_args(hint)
+        return isinstance(value, list) and all(_accepts(inner[0], v) for v in value) if inner else True
     types = typing.get_args(hint) or (hint,)
     if not all(isinstance(t, type) for t in types):
         return True
@@ -159,11 +162,12 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         return never_evicting(name, quantize, positions, sliding_layers=sliding)
     score = build_score(score_spec)
     scope = _part(SCOPES, cfg.get("scope", "all"))
-    allocation = _part(ALLOCATIONS, cfg.get("allocation") or "uniform")
+    allocation_spec = _options(cfg.get("allocation") or "uniform")
+    allocation = _part(ALLOCATIONS, allocation_spec)
     if allocation.per_head and not allocation.thresholded and score.shares_heads:
         raise ValueError(
             "score.shared=true (on the score or its base) keeps one set per layer; it cannot combine with "
-            "allocation=adaptive"
+            f"allocation={allocation_spec.get('kind')}"
         )
     for part, what in ((score, "score"), (scope, "scope")):
         unknown = sorted(set(part.needs) - set(STATISTICS))

@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONFIG_DIR, keeping_all
+from conftest import CONFIG_DIR, fit_layers, keeping_all
 from engine_run import generate
 from family_models import FAMILIES, REFUSED, SLIDING, WINDOW, build, eager_replay, family_config, family_greedy
 from omegaconf import OmegaConf
 
 from kvbench.engine.engine import DecodeSettings
+from kvbench.engine.plan import budget_layers
 from kvbench.families import layer_windows, support_error
 from kvbench.policies.registry import build_policy
 
@@ -32,6 +33,11 @@ NO_ROPE = ("opt", "gpt2")
 
 def named(name: str, **extra) -> dict:
     return NAMED[name] | extra
+
+
+def for_family(family: str, policy: dict) -> dict:
+    """``policy`` with a per-layer budget list fitted to the layers the family's budget is split over."""
+    return fit_layers(policy, len(budget_layers(build_policy(policy), layer_windows(family_config(family)))))
 
 
 def stages(policy: dict) -> list[str]:
@@ -132,7 +138,7 @@ def greedy(family: str, prompt: tuple[int, ...]) -> tuple[list[int], torch.Tenso
 def test_every_policy_at_a_budget_of_the_length_equals_the_familys_generate(family, name, extra, prompt):
     model = tiny(family)
     ref_tokens, ref_logits = greedy(family, tuple(prompt))
-    policy = keeping_all(named(name, **extra))
+    policy = keeping_all(for_family(family, named(name, **extra)))
     for stage in stages(policy):
         stride = None if stage == "prefill" else 7  # one chunk, and chunks shorter than the window and longer
         g = generate(
@@ -154,7 +160,7 @@ def test_every_policy_at_a_budget_of_the_length_equals_the_familys_generate(fami
 @pytest.mark.parametrize("family, name, extra", cells(replay_variants))
 def test_eviction_equals_the_familys_eager_attention_masked_to_the_kept_set(family, name, extra, prompt):
     model = tiny(family)
-    policy = named(name, **extra)
+    policy = for_family(family, named(name, **extra))
     checked = 0
     for stage, stride in (("both", 7), (stages(policy)[-1], None), ("prefill", None)):
         if stage not in stages(policy):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIG_DIR, keeping_all, tiny_policy_cfg
+from conftest import CONFIG_DIR, fit_layers, keeping_all, tiny_policy_cfg
 from engine_run import generate
 from omegaconf import OmegaConf
 
@@ -30,7 +30,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 NAMED = sorted(p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml"))
 STAGES = ("prefill", "decode", "both")
 PROMPT, NEW, STRIDE = 48, 12, 8
-policy_cfg = tiny_policy_cfg
+TINY_LAYERS = 4
+
+
+def policy_cfg(name: str, **extra) -> dict:
+    """A named policy's tiny config, a per-layer budget list fitted to tiny-llama's layers."""
+    return fit_layers(tiny_policy_cfg(name, **extra), TINY_LAYERS)
 
 
 def named(name: str, **extra):
@@ -130,7 +135,7 @@ def test_named_policy_equals_masked_replay_and_keeps_its_promises(tiny, random_i
     if policy.evicts and not policy.merge:  # merging changes kept values: tests/policies/test_cam.py checks them
         torch.testing.assert_close(g.logits, r.logits, rtol=1e-4, atol=1e-4)
     limit = PROMPT if stage == "prefill" else PROMPT + NEW
-    budgets = policy.layer_budgets(g.measures.budget_tokens, 4, limit) if policy.evicts else [None] * 4
+    budgets = policy.layer_budgets(g.measures.budget_tokens, TINY_LAYERS, limit) if policy.evicts else [None] * 4
     stride = stride_of(policy)
     prefill_steps = PROMPT // stride
     for step, layers in enumerate(g.trace):
@@ -142,7 +147,10 @@ def test_named_policy_equals_masked_replay_and_keeps_its_promises(tiny, random_i
             if not (evicting and policy.evicts):
                 continue
             grown = policy.interval - 1 if step >= prefill_steps else 0  # decode steps between evictions
-            if policy.allocation.per_head:  # heads differ; the layer total holds
+            if policy.allocation.pools_layers:  # layers differ; the sequence's total holds
+                held_all = sum(len(set(row.tolist())) for kept in layers for row in kept)
+                assert held_all <= 2 * (sum(budgets) + TINY_LAYERS * grown)
+            elif policy.allocation.per_head:  # heads differ; the layer total holds
                 assert sum(len(h) for h in heads) <= 2 * (b + grown)
             else:
                 assert held.shape[-1] <= b + grown and torch.all(held[:, 1:] > held[:, :-1])

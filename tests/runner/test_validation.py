@@ -128,6 +128,16 @@ CASES = [
     (["policy=streamingllm", "budget=0.01"], "example passkey-0: budget=0.01 of its 206 tokens: 3 tokens is below"),
     (["task.n=null"], "task.n must be a whole number >= 1 (synthetic prompts have no 'all'), not None"),
     (["policy=window", "policy.score=bogus"], "policy=window: unknown score 'bogus'"),
+    (
+        ["policy=layers_snapkv"],
+        "model=tiny-llama: allocation=layers lists 30 budgets; this model splits its budget over 4 layers: give "
+        "policy.allocation.budgets one share per layer (4 values)",
+    ),
+    (
+        ["policy=layers_snapkv", "policy.allocation.budgets=[0.5,1.5,0.5,0]"],
+        "policy=layers_snapkv: budgets [1.5, 0] must each be a share of the prompt in (0, 1]",
+    ),
+    (["policy=global_snapkv", "policy.merge=true"], "ranks every layer together, and a merge folds entries"),
     (["task.context_tokens=20000"], "tokens (prompt + max_new_tokens) exceed the model's limit of 16384"),
     (["task=lm_eval"], "task.tasks must be set (it is ??? in the config): add task.tasks=... to the command line"),
     (["task=lm_eval", "task.tasks=[no_such_task]"], "lm-eval has no task 'no_such_task'; `lm-eval ls tasks`"),

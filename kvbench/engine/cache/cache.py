@@ -110,7 +110,7 @@ class KVCache(Cache):
         """Buffers for every layer, from the shapes of one layer's keys and values."""
         policies = [layer.policy for layer in self.kv_layers]
         caps = [
-            max(plans[layer].rows_capacity(shapes.heads, self.phases, policy) for plans in self.plan_sets)
+            max(plans[layer].rows_capacity(shapes.heads, self.phases, policy, len(plans)) for plans in self.plan_sets)
             for layer, policy in enumerate(policies)
         ]
         columns = sorted(

@@ -2,9 +2,11 @@
 its entries, its stores and the step; the Evictor never sees the cache.
 
 Each (layer, lane) unit over its budget joins the group of units whose eviction depends on the same things
-(``group_key``), and each group is scored once (``evict.evict_group``). Sliding layers then keep their newest
-``window - 1`` entries per row. After a prompt chunk, every layer that dropped entries is packed again. A decode
-step evicts a lane only every ``policy.interval`` of its decode steps (``Evictor.due``); in between its rows grow.
+(``group_key``), and each group is scored once (``evict.evict_group``). Under an allocation that spans layers
+(``global``) a sequence's layers form one group (``pool_key``) whenever their total is over budget. Sliding
+layers then keep their newest ``window - 1`` entries per row. After a prompt chunk, every layer that dropped entries
+is packed again. A decode step evicts a lane only every ``policy.interval`` of its decode steps (``Evictor.due``);
+in between its rows grow.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class Evictor:
         groups: dict[tuple, evicting.Group] = {}
         trims: dict[tuple, list[tuple[int, int]]] = {}
         ragged_trims: list[int] = []
+        over = self._pools_over(lengths, step, due, e.heads)
         for layer, (plan, policy) in enumerate(zip(self.plans, self.policies)):
             keep, per_head = plan.window_keep, policy.allocation.per_head
             for s in step.lanes:
@@ -100,8 +103,13 @@ class Evictor:
                 budget = self.budgets[layer][s]
                 if due[s - lo] and policy.evicts and budget is not None:
                     size = sum(counts) if per_head else counts[0]
-                    if size > (budget * e.heads if per_head else budget) or policy.allocation.thresholded:
+                    if policy.allocation.pools_layers:
+                        key = pool_key(plan, policy, budget, s)
+                        joins = over[key]
+                    else:
                         key = group_key(plan, policy, layer, budget, size)
+                        joins = size > (budget * e.heads if per_head else budget) or policy.allocation.thresholded
+                    if joins:
                         groups.setdefault(key, evicting.Group(policy, budget, plan.window)).units.append((layer, s))
                         continue
                 if keep is not None and max(counts) > keep:
@@ -144,6 +152,24 @@ class Evictor:
         if step.tokens > 1:
             for layer in sorted(changed):
                 e.pack(layer, lo, hi, stores[layer])
+
+    def _pools_over(self, lengths: list[list[int]], step: Step, due: list[bool], heads: int) -> dict[tuple, bool]:
+        """Per pool of an allocation that spans layers (``pool_key``: one sequence's layers of one policy, window
+        and budget), whether its rows together hold more than ``layers × heads × budget``: then all of them evict
+        together, including layers under their own share."""
+        held: dict[tuple, int] = {}
+        room: dict[tuple, int] = {}
+        lo = step.lanes.start
+        for layer, (plan, policy) in enumerate(zip(self.plans, self.policies)):
+            if not (policy.evicts and policy.allocation.pools_layers):
+                continue
+            for s in step.lanes:
+                budget = self.budgets[layer][s]
+                if due[s - lo] and budget is not None:
+                    key = pool_key(plan, policy, budget, s)
+                    held[key] = held.get(key, 0) + sum(lengths[layer][(s - lo) * heads : (s - lo + 1) * heads])
+                    room[key] = room.get(key, 0) + budget * heads
+        return {key: held[key] > room[key] for key in held}
 
     def state(self, entries: Entries, stores: list[KVStore], layer: int, lane: int = 0) -> TokenState:
         """What decoder layer ``layer`` of the sequence in ``lane`` holds, as its policy ranks it."""
@@ -201,3 +227,9 @@ def group_key(plan: LayerPlan, policy: Policy, layer: int, budget: int, size: in
     allocation decides each row alone, so its units join whatever they hold."""
     held = None if policy.allocation.thresholded else size
     return (id(policy), plan.window, held, budget, layer if policy.merge else None)
+
+
+def pool_key(plan: LayerPlan, policy: Policy, budget: int, lane: int) -> tuple:
+    """The group of a (layer, lane) unit under an allocation that spans layers: every layer of the sequence with
+    the same policy, window and budget, ranked as one state whatever each holds."""
+    return ("pool", id(policy), plan.window, budget, lane)
