@@ -132,7 +132,7 @@ METHODS: dict[str, Method] = {
     "cur": Method("CURPress", "cur"),
     "cap": Method("CapPress", "cap"),
     "noncausal_attn": Method("NonCausalAttnPress", "noncausal_attn"),
-    # kvpress's defaults but its lazy_threshold (1.0 makes no layer lazy): the paper's 0.9 for Llama 3.
+    # kvpress's defaults but its lazy_threshold (1.0 makes no layer lazy): 0.9, its recommendation for Llama 3.
     "simlayerkv": Method("SimLayerKVPress", "simlayerkv", {"lazy_threshold": 0.9}, adaptive=True),
     # A window of 128 of the ~1,000-token prompts, where a lazy layer drops most of the prompt.
     "simlayerkv_128": Method(
