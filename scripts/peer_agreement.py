@@ -55,10 +55,25 @@ class Method:
     inner: str | None = None
     inner_kwargs: dict[str, Any] = field(default_factory=dict)
     eager: bool = False  # the press reads attention weights (kvpress needs attn_implementation="eager")
+    # The press decides its own kept count (SimLayerKV's lazy layers): kvpress gets no compression ratio (its
+    # setter refuses one) and kvbench's budget is 1.0, which caps nothing.
+    adaptive: bool = False
 
     def press_spec(self) -> dict[str, Any]:
         inner = {"press": self.inner, "kwargs": self.inner_kwargs} if self.inner else None
-        return {"press": self.press, "kwargs": self.kwargs, "inner": inner, "eager": self.eager}
+        return {
+            "press": self.press,
+            "kwargs": self.kwargs,
+            "inner": inner,
+            "eager": self.eager,
+            "ratio": not self.adaptive,
+        }
+
+    def budget(self, n: int, ratio: float, kind: str) -> float | int:
+        """kvbench's budget for a prompt of ``n`` tokens (``kind``: ``--budget``)."""
+        if self.adaptive:
+            return 1.0
+        return kvpress_kept_count(n, ratio) if kind == "count" else round(1 - ratio, 10)
 
     def press_label(self) -> str:
         inner = f"{self.inner}({args(self.inner_kwargs)})" if self.inner else ""
@@ -132,6 +147,16 @@ METHODS: dict[str, Method] = {
     "cur": Method("CURPress", "cur"),
     "cap": Method("CapPress", "cap"),
     "noncausal_attn": Method("NonCausalAttnPress", "noncausal_attn"),
+    # kvpress's defaults but its lazy_threshold (1.0 makes no layer lazy): 0.9, its recommendation for Llama 3.
+    "simlayerkv": Method("SimLayerKVPress", "simlayerkv", {"lazy_threshold": 0.9}, adaptive=True),
+    # A window of 128 of the ~1,000-token prompts, where a lazy layer drops most of the prompt.
+    "simlayerkv_128": Method(
+        "SimLayerKVPress",
+        "simlayerkv",
+        {"lazy_threshold": 0.45, "n_recent": 128},
+        {"score.lazy_threshold": 0.45, "score.n_recent": 128},
+        adaptive=True,
+    ),
 }
 
 
@@ -243,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, method in methods.items():
         agreement = Agreement()
         for index, ids in enumerate(prompts):
-            ratio = method.mean_ratio(a.ratio)
-            budget = kvpress_kept_count(len(ids), ratio) if a.budget == "count" else round(1 - ratio, 10)
-            kept, scores = run_kvbench(lm, method, ids, budget)
+            kept, scores = run_kvbench(lm, method, ids, method.budget(len(ids), method.mean_ratio(a.ratio), a.budget))
             compare(agreement, index, kept, peer[f"{name}/{index}/kept"], peer[f"{name}/{index}/scores"], scores, a.eps)
         rows.append((name, method.press_label(), method.config_label(), agreement))
         notes += unexplained_rows(name, agreement)

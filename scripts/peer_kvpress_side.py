@@ -4,7 +4,8 @@ that cannot share kvbench's environment; docs/peers.md says how to build it). It
     <peer python> scripts/peer_kvpress_side.py REQUEST.json OUT.npz
 
 REQUEST holds the compression ratio, the prompts' token ids and, per method, the press to build
-(``{"press": "SnapKVPress", "kwargs": {...}, "inner": {...} | null, "eager": false}``). For every method and prompt
+(``{"press": "SnapKVPress", "kwargs": {...}, "inner": {...} | null, "eager": false, "ratio": true}``; ``ratio``
+false: the press decides its own kept count and is given no compression ratio). For every method and prompt
 the embedded SmolLM2 (its GGUF, loaded by transformers) prefills the prompt under the press, and OUT gets, per
 decoder layer and KV head, the mask of the positions the press kept (``<method>/<prompt>/kept``, bool [layers,
 heads, n]) and the scores it ranked them by (``<method>/<prompt>/scores``, float32, NaN where it scored nothing).
@@ -126,7 +127,9 @@ def main(request_path: str, out_path: str) -> None:
         set_attention(model, bool(spec.get("eager")))
         for index, ids in enumerate(request["prompts"]):
             press = build_press(spec)
-            if not per_layer(press):  # a per-layer press takes its ratios as arguments (their mean is read-only)
+            # a per-layer press takes its ratios as arguments (their mean is read-only); a press that sets its own
+            # kept count (SimLayerKV) refuses a ratio
+            if spec.get("ratio", True) and not per_layer(press):
                 press.compression_ratio = request["ratio"]
             recorder = Recorder(press, layers, heads, len(ids))
             with torch.inference_mode(), press(model):

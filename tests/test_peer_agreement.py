@@ -129,6 +129,14 @@ def test_a_per_layer_press_is_budgeted_at_its_mean_ratio():
     assert method.mean_ratio(0.9) == 0.5 and peer_agreement.METHODS["snapkv"].mean_ratio(0.9) == 0.9
 
 
+def test_a_press_that_sets_its_own_kept_count_gets_no_ratio_and_an_uncapped_budget():
+    method = peer_agreement.METHODS["simlayerkv"]
+    assert method.press_spec()["ratio"] is False and method.budget(1001, 0.5, "count") == 1.0
+    snapkv = peer_agreement.METHODS["snapkv"]
+    assert snapkv.press_spec()["ratio"] is True and snapkv.budget(1001, 0.5, "count") == 500
+    assert snapkv.budget(1001, 0.5, "fraction") == 0.5
+
+
 def test_the_peer_side_imports_nothing_from_kvbench():
     tree = ast.parse((REPO / "scripts" / "peer_kvpress_side.py").read_text(encoding="utf-8"))
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

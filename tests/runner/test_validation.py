@@ -262,6 +262,12 @@ CASES = [
     # Score.whole_prompt: non-causal chunked attention reads every prompt query, so the prompt comes in one step.
     (["policy=noncausal_attn", "stride=64"], "policy=noncausal_attn scores the prompt from every prompt query"),
     (["policy=cap", "stage=both"], "policy=cap cannot run in stage=both; use stage in ['prefill']"),
+    # SimLayerKV decides each layer once, from the prompt's last queries.
+    (["policy=simlayerkv", "stage=decode"], "policy=simlayerkv cannot run in stage=decode; use stage in ['prefill']"),
+    (["policy=simlayerkv", "policy.score.lazy_threshold=0"], "lazy_threshold=0 must be in (0, 1]"),
+    (["policy=simlayerkv", "policy.score.lazy_threshold=1.5"], "lazy_threshold=1.5 must be in (0, 1]"),
+    (["policy=simlayerkv", "policy.score.n_recent=-8"], "n_recent=-8 must be >= n_last=1"),
+    (["policy=simlayerkv", "policy.score.n_initial=-1"], "n_initial=-1 must be >= 0 sink tokens"),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 
