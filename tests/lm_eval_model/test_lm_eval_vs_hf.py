@@ -104,3 +104,21 @@ def test_a_small_budget_scores_lower_and_holds_what_it_says(reference: dict[str,
     # the compressed prompt, then every generated token but the last (never fed) appended in decode
     assert m["kv_resident_bytes"] == (m["budget_tokens"] + m["new_tokens"] - 1) * bytes_per_token
     assert m["timings"]["prefill_s"] > 0
+
+
+RULER_LONGER = ["ruler_vt", "ruler_cwe", "ruler_fwe"]  # their generators need more than 512 tokens to build docs
+LONGER = 1024
+
+
+@pytest.mark.slow
+def test_ruler_vt_cwe_fwe_give_lm_evals_answers_with_the_full_cache(hf_lm: Any, smollm_dir: str) -> None:
+    """lm-eval's other offline RULER tasks, at 1,024 tokens: kvbench's full cache gives the hf model's generations
+    and scores on the same docs (built once: ruler_cwe draws other words at each build)."""
+    from lm_eval.evaluator import evaluate as run_tasks
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    tasks = get_task_dict(RULER_LONGER, TaskManager(metadata={"tokenizer": smollm_dir, "max_seq_lengths": [LONGER]}))
+    reference = run_tasks(hf_lm, tasks, limit=1, log_samples=True, bootstrap_iters=0)
+    ours = run_tasks(kvbench_lm(policy="full"), tasks, limit=1, log_samples=True, bootstrap_iters=0)
+    for task in RULER_LONGER:
+        assert_same_generations(ours, reference, task)
