@@ -33,6 +33,7 @@ from kvbench.results.schema import CELL, MODEL, POLICY, STAGE, TASK
 X_LABEL = "KV budget achieved (%)"
 FRONTIER = "pareto_frontier"
 PANEL_HEIGHT_IN = 1.75
+MIN_PANEL_IN = 1.6  # past five panels (WIDE_IN holds five), each panel's width
 # Rough legend geometry at 7 pt: width of a handle plus padding, of one character, height of a row.
 LEGEND_HANDLE_IN, LEGEND_CHAR_IN, LEGEND_ROW_IN = 0.55, 0.055, 0.15
 # A line (Artist) or an error-bar container per policy: both make a legend entry; matplotlib's stubs accept
@@ -41,8 +42,10 @@ LegendHandles = dict[str, Any]
 
 
 def panel_grid(models: list[str], tasks: list[str], titles: Mapping[str, str] | None) -> tuple[Figure, np.ndarray]:
-    """A models x tasks grid of panels, single-column wide when there is only one panel column."""
-    width = SINGLE_COLUMN_IN if len(tasks) == 1 else WIDE_IN
+    """A models x tasks grid of panels, single-column wide when there is only one panel column; past what a page's
+    width holds (five panels; RULER's 13 subtasks and their mean are 14), the figure widens to ``MIN_PANEL_IN`` a
+    panel, so that titles, ticks and labels keep their room."""
+    width = SINGLE_COLUMN_IN if len(tasks) == 1 else WIDE_IN if len(tasks) <= 5 else MIN_PANEL_IN * len(tasks)
     fig = Figure(figsize=(width, PANEL_HEIGHT_IN * len(models) + 0.4), layout="constrained")
     axes = fig.subplots(len(models), len(tasks), squeeze=False)
     for j, task in enumerate(tasks):  # wrapped to the panel's width: a task's settings can make a long name

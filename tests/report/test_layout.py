@@ -125,3 +125,38 @@ def test_no_two_of_thirty_policies_are_drawn_alike(tmp_path: Path, kind: str) ->
     assert len(set(looks.values())) == len(looks)
     colour_style = [(c, s) for c, s, _ in looks.values()]
     assert len(set(colour_style)) == len(colour_style)  # apart even without markers
+
+
+def overlaps(boxes: list) -> bool:
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+
+
+@pytest.mark.parametrize("kind", ["quality vs budget", "leaderboard"])
+def test_thirteen_tasks_keep_titles_ticks_and_labels_apart(tmp_path: Path, kind: str) -> None:
+    """RULER's 13 subtasks (and their mean): the figure widens instead of squeezing its panels together."""
+    subsets = [f"ruler/niah_multikey_{i} (question_aware=true)" for i in range(13)]
+    rows = [
+        {"model": MODEL, "task": task, "policy": policy, "budget": budget, "stage": "prefill", "example_id": str(i),
+         "status": "ok", "primary_metric": "accuracy", "score": (i + j) % 3 / 3, "budget_achieved": budget}
+        for j, task in enumerate(subsets) for policy in ("full", "snapkv", "streamingllm")
+        for budget in ([1.0] if policy == "full" else [0.5, 0.25, 0.125, 1 / 16, 1 / 32]) for i in range(2)
+    ]  # fmt: skip
+    directory = tmp_path / "s"
+    directory.mkdir()
+    (directory / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_rows([directory]).rows
+    column, _ = quality_column(loaded, None)
+    quality = with_full_baseline(cell_stats(loaded, [column], 20))
+    if kind == "leaderboard":
+        facts = policy_facts(loaded)
+        points = pd.concat([task_points(loaded, column, facts, quality), mean_points(loaded, column, facts, 20)])
+        fig = leaderboard_figure(points, baseline_levels(loaded, column), "prefill", "accuracy")
+    else:
+        fig = budget_figure(quality, "prefill", "accuracy")
+    assert layout_problems(fig) == []
+    renderer = fig.canvas.get_renderer()
+    assert not overlaps([ax.title.get_window_extent(renderer) for ax in fig.axes]), "panel titles overlap"
+    assert not overlaps([ax.xaxis.label.get_window_extent(renderer) for ax in fig.axes]), "x labels overlap"
+    for ax in fig.axes:
+        ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+        assert not overlaps(ticks), "x tick labels overlap"
