@@ -68,7 +68,10 @@ def summary_table(sweep_dir: Path) -> str:
             continue
     if not records:
         return f"no finished cells under {sweep_dir}"
-    frame = label_cells(pd.DataFrame(records))  # variants of one policy or task named apart
+    raw = pd.DataFrame(records)
+    if POLICY in raw and BUDGET in raw:  # the full cache ignores the budget (1 would read as one token)
+        raw[BUDGET] = raw[BUDGET].astype(object).where(raw[POLICY].ne("full"), "full")
+    frame = label_cells(raw)  # variants of one policy or task named apart
     hybrid = mean_column(KV_RESIDENT_BYTES_SLIDING) in frame.columns
     shown = [c for c in COLUMNS if c[0] in frame.columns]
     keep = [(src, dst, unit) for src, dst, unit in shown if hybrid or src not in HYBRID_ONLY]

@@ -217,7 +217,7 @@ def test_error_files_are_found_and_cleared(tmp_path):
 
 
 def test_summary_table_reads_every_finished_cell(tmp_path):
-    for policy, budget, score in [("window", 0.5, 0.25), ("random", 0.25, 0.75)]:
+    for policy, budget, score in [("window", 0.5, 0.25), ("random", 0.25, 0.75), ("full", 1.0, 1.0)]:
         cell = tmp_path / policy / str(budget)
         with CellResults(cell) as c:
             identity = replace(CELL, policy=policy, budget=budget)
@@ -228,7 +228,8 @@ def test_summary_table_reads_every_finished_cell(tmp_path):
     table = summary_table(tmp_path)
     lines = table.splitlines()
     assert "accuracy" in lines[0] and "KV MiB" in lines[0] and "TTFT ms" in lines[0]
-    assert lines[1].split()[0] == "random" and lines[2].split()[0] == "window"
-    assert lines[1].split()[-2:] == ["0.75", "250"] and lines[2].split()[-2:] == ["1.5", "500"]  # MiB, ms
+    assert [line.split()[0] for line in lines[1:4]] == ["full", "random", "window"]
+    assert lines[2].split()[-2:] == ["0.75", "250"] and lines[3].split()[-2:] == ["1.5", "500"]  # MiB, ms
+    assert lines[1].split()[1] == "full"  # the full cache's budget: not 1, which would read as one token
     assert lines[-1] == f"Figures and tables with intervals: kvbench-report {tmp_path} --out {tmp_path / 'report'}"
     assert summary_table(tmp_path / "empty").startswith("no finished cells")
