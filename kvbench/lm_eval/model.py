@@ -163,6 +163,7 @@ class KvbenchLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Each text in lm-eval's disjoint windows of ``max_length`` tokens, every window teacher-forced."""
+        self._check_rolling()
         windows, owner = [], []
         for index, request in enumerate(requests):
             tokens = self.tok_encode(request.args[0])
@@ -177,6 +178,23 @@ class KvbenchLM(TemplateLM):
             measures[index].append(measure)
         self._log(requests, measures)
         return totals
+
+    def _check_rolling(self) -> None:
+        """A rolling window is one token of prompt and the whole text teacher-forced after it: compressing the prompt
+        (stage=prefill) compresses nothing, and a fractional budget under stage=both is a share of that one token.
+        Refused, naming the settings that measure something."""
+        spec = self.spec
+        keeps_all = isinstance(spec.budget, float) and spec.budget >= 1.0  # the reference run of a method
+        if not spec.policy.evicts or keeps_all or spec.stage == "decode":
+            return
+        if spec.stage == "both" and isinstance(spec.budget, int):
+            return
+        raise ConfigError(
+            f"loglikelihood_rolling (perplexity) feeds each text after one token of prompt, so stage={spec.stage} "
+            f"with budget={spec.budget} would "
+            + ("compress nothing" if spec.stage == "prefill" else "hold a share of that one token")
+            + "; use stage=decode (the budget a share of the text) or stage=both with a token budget (budget=256)"
+        )
 
     def _loglikelihood_tokens(
         self, requests: Sequence[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **_: Any

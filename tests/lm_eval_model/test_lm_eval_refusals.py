@@ -91,3 +91,31 @@ def test_gen_kwargs_become_the_decoders_settings() -> None:
 def test_each_repeat_samples_from_its_own_seed() -> None:
     first, second = object(), object()
     assert repeat_seeds([first, first, first, second, second], 10) == [10, 11, 12, 10, 11]
+
+
+@pytest.mark.parametrize(
+    ("settings", "refused"),
+    [
+        ({"policy": "snapkv", "budget": 0.5, "stage": "prefill"}, "compress nothing"),
+        ({"policy": "h2o", "budget": 0.5, "stage": "both"}, "a share of that one token"),
+        ({"policy": "h2o", "budget": 0.5, "stage": "decode"}, None),
+        ({"policy": "h2o", "budget": 256, "stage": "both"}, None),
+        ({"policy": "full"}, None),
+        ({"policy": "snapkv", "budget": 1.0, "stage": "prefill"}, None),  # a method's keep-all reference
+        ({"policy": "snapkv", "budget": 256, "stage": "prefill"}, "compress nothing"),
+    ],
+)
+def test_rolling_perplexity_is_refused_where_the_budget_would_mean_nothing(settings: dict, refused: str | None) -> None:
+    """A rolling window is one token of prompt and the text teacher-forced after it: compressing the prompt, or a
+    fraction of it, would report the full cache's perplexity (or one token's) under the policy's name."""
+    from kvbench.lm_eval.model import KvbenchLM
+    from kvbench.lm_eval.settings import run_spec
+
+    lm = KvbenchLM.__new__(KvbenchLM)  # the settings alone: no weights
+    lm.spec = run_spec({"model": "smollm2-135m", **settings})
+    if refused is None:
+        lm._check_rolling()
+        return
+    with pytest.raises(ConfigError, match=refused) as error:
+        lm.loglikelihood_rolling([])
+    assert "stage=decode" in str(error.value)
