@@ -29,6 +29,7 @@ from kvbench.lm_eval import requests as convert
 from kvbench.lm_eval.settings import run_spec
 from kvbench.runner import model_cache
 from kvbench.runner.passes import run_engine
+from kvbench.runner.prompts import check_model_support
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's hf model's, where neither config nor tokenizer says
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's, where a task does not say
@@ -74,6 +75,7 @@ class KvbenchLM(TemplateLM):
         if device is not None and "model.device" not in model_args:
             model_args["model.device"] = device if device_available(device) else "auto"
         self.spec = run_spec(model_args)  # every setting checked before the weights load
+        check_model_support(self.spec)  # and what the model's config alone refuses (a per-layer list's length)
         self.lm = model_cache.get_model(self.spec.model)
         self.tokenizer = self.lm.tokenizer
         self._device = self.lm.device

@@ -119,3 +119,10 @@ def test_rolling_perplexity_is_refused_where_the_budget_would_mean_nothing(setti
     with pytest.raises(ConfigError, match=refused) as error:
         lm.loglikelihood_rolling([])
     assert "stage=decode" in str(error.value)
+
+
+def test_what_the_models_config_refuses_is_refused_before_the_weights_load() -> None:
+    """kvbench-run refuses a per-layer budget list of another length than the model's layers from its config;
+    so does the lm-eval model (the autouse fixture fails the test if the weights load)."""
+    with pytest.raises(ConfigError, match="allocation=layers lists 2 budgets"):
+        kvbench_lm(policy="layers_snapkv", **{"policy.allocation.budgets": "[0.5,0.5]"})
