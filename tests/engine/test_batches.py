@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import CONFIG_DIR, tiny_policy_cfg
+from conftest import CONFIG_DIR, fit_layers, tiny_policy_cfg
 from engine_run import generate, generate_batch
 from family_models import FAMILIES, SLIDING, build
 from omegaconf import OmegaConf
@@ -40,8 +40,11 @@ LENGTHS, NEW = (40, 25, 33, 50, 29), (12, 5, 9, 12, 7)
 DEEP = ("qwen2-window", "gemma3", "gemma2-softcap", "mistral-window", "gpt2")  # every policy kind batched
 
 
+TINY_LAYERS = 4  # tiny-llama's decoder layers
+
+
 def named(name: str, **extra):
-    return build_policy(tiny_policy_cfg(name, **extra))
+    return build_policy(fit_layers(tiny_policy_cfg(name, **extra), TINY_LAYERS))
 
 
 def requests(lengths=LENGTHS, news=NEW, ids_seed: int = 0, high: int = 250, **settings) -> list[Request]:
@@ -71,18 +74,28 @@ def assert_same_as_alone(batched: Generation, alone: Generation, where: str) -> 
 
 
 def assert_within_budget(
-    g: Generation, heads: int, per_head: bool, stage: str, chunks: int, where: str, interval: int = 1
+    g: Generation,
+    heads: int,
+    per_head: bool,
+    stage: str,
+    chunks: int,
+    where: str,
+    interval: int = 1,
+    pools_layers: bool = False,
 ) -> None:
     """After every step that evicts, no row holds more than the allocation gives: in all, layers × budget per
-    head (pyramid budgets differ by layer), or heads × budget per layer under per-head allocation; a decode
-    step may hold up to ``interval - 1`` more, the growth between evictions."""
+    head (pyramid and per-layer budgets differ by layer), or heads × budget per layer under per-head allocation,
+    or layers × heads × budget for the sequence under a global one; a decode step may hold up to
+    ``interval - 1`` more, the growth between evictions."""
     first = {"prefill": 0, "decode": chunks + interval - 1, "both": 0}[stage]  # stage=decode: from its first eviction
     last = chunks if stage == "prefill" else len(g.trace)
     for index in range(first, last):
         step = g.trace[index]
         budget = g.measures.budget_tokens + (interval - 1 if index >= chunks else 0)
         counts = [[len(set(h.tolist())) for h in held] for held in step]
-        if per_head:
+        if pools_layers:
+            assert sum(map(sum, counts)) <= len(step) * heads * budget, where
+        elif per_head:
             assert all(sum(c) <= heads * budget for c in counts), where
         else:
             assert sum(max(c) for c in counts) <= len(step) * budget, where
@@ -177,7 +190,10 @@ def check_batch(
         assert b.batch_size == batch_size and len(b.decode_batch_sizes) == len(b.tokens) - 1
         if heads is not None and policy.evicts:
             chunks = -(-len(r.input_ids) // (stride or len(r.input_ids)))
-            assert_within_budget(b, heads, policy.allocation.per_head, stage, chunks, where, policy.interval)
+            allocation = policy.allocation
+            assert_within_budget(
+                b, heads, allocation.per_head, stage, chunks, where, policy.interval, allocation.pools_layers
+            )
     return batched
 
 
