@@ -69,7 +69,7 @@ def summary_table(sweep_dir: Path) -> str:
     if not records:
         return f"no finished cells under {sweep_dir}"
     raw = pd.DataFrame(records)
-    if POLICY in raw and BUDGET in raw:  # the full cache ignores the budget (1 would read as one token)
+    if POLICY in raw and BUDGET in raw and raw[POLICY].eq("full").any():  # 1 would read as one token
         raw[BUDGET] = raw[BUDGET].astype(object).where(raw[POLICY].ne("full"), "full")
     frame = label_cells(raw)  # variants of one policy or task named apart
     hybrid = mean_column(KV_RESIDENT_BYTES_SLIDING) in frame.columns

@@ -203,7 +203,7 @@ def test_an_ablation_sweep_runs_every_cell_resumes_and_the_report_tells_them_apa
     }
     report = (tmp_path / "report" / "report.md").read_text()
     assert "Every cell changes these of its named defaults: `task.max_new_tokens=3`." in report
-    assert "| h2o (window=0.75, quantize=int8) |" in report
+    assert "| H2O (window=0.75, quantize=int8) |" in report  # the display name, as in the figures
 
 
 def test_a_budget_of_one_in_thirty_two_runs_and_is_reported(tmp_path, sweep_in_process):
