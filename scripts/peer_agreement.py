@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.models import LoadedModel, load_model, load_tokenizer
 from kvbench.policies.base import Policy
+from kvbench.policies.channels import KeyChannels
 from kvbench.policies.registry import build_policy
 from kvbench.tasks.datasets import read_jsonl
 
@@ -58,6 +59,9 @@ class Method:
     # The press decides its own kept count (SimLayerKV's lazy layers): kvpress gets no compression ratio (its
     # setter refuses one) and kvbench's budget is 1.0, which caps nothing.
     adaptive: bool = False
+    # The press prunes key channels, not tokens (ThinK): both sides' kept sets are channels [layers, heads, D], the
+    # press takes no compression ratio (its own names the share of channels) and kvbench's budget caps nothing.
+    channels: bool = False
 
     def press_spec(self) -> dict[str, Any]:
         inner = {"press": self.inner, "kwargs": self.inner_kwargs} if self.inner else None
@@ -66,12 +70,13 @@ class Method:
             "kwargs": self.kwargs,
             "inner": inner,
             "eager": self.eager,
-            "ratio": not self.adaptive,
+            "ratio": not (self.adaptive or self.channels),
+            "channels": self.channels,
         }
 
     def budget(self, n: int, ratio: float, kind: str) -> float | int:
         """kvbench's budget for a prompt of ``n`` tokens (``kind``: ``--budget``)."""
-        if self.adaptive:
+        if self.adaptive or self.channels:
             return 1.0
         return kvpress_kept_count(n, ratio) if kind == "count" else round(1 - ratio, 10)
 
@@ -157,6 +162,15 @@ METHODS: dict[str, Method] = {
         {"score.lazy_threshold": 0.45, "score.n_recent": 128},
         adaptive=True,
     ),
+    # kvpress's defaults but the ratio (its default 0 prunes nothing); the prompt's every token is kept.
+    "think": Method("ThinKPress", "think", {"key_channel_compression_ratio": 0.5, "window_size": 32}, channels=True),
+    "think_25": Method(
+        "ThinKPress",
+        "think",
+        {"key_channel_compression_ratio": 0.25, "window_size": 64},
+        {"channels.ratio": 0.25, "channels.window": 64},
+        channels=True,
+    ),
 }
 
 
@@ -235,6 +249,46 @@ def run_kvbench(lm: LoadedModel, method: Method, ids: list[int], budget: float |
     return kept, probe.scores
 
 
+class ChannelProbe:
+    """Records each layer's channel scores and kept channels as ``KeyChannels`` computes them (the prompt cache's
+    layers prune in order, one call each), as a kept mask and scores [layers, heads, D]."""
+
+    def __init__(self) -> None:
+        self.scores: list[np.ndarray] = []
+        self.kept: list[np.ndarray] = []
+
+    def __enter__(self) -> ChannelProbe:
+        self.saved = KeyChannels.scores, KeyChannels.keep
+        scores, keep = self.saved
+
+        def scoring(channels: KeyChannels, query_energy: torch.Tensor, key_energy: torch.Tensor) -> torch.Tensor:
+            got = scores(channels, query_energy, key_energy)
+            self.scores.append(got.cpu().numpy())
+            return got
+
+        def keeping(channels: KeyChannels, ranked: torch.Tensor) -> torch.Tensor:
+            got = keep(channels, ranked)
+            mask = np.zeros(ranked.shape, dtype=bool)
+            mask[np.arange(ranked.shape[0])[:, None], got.cpu().numpy()] = True
+            self.kept.append(mask)
+            return got
+
+        KeyChannels.scores, KeyChannels.keep = scoring, keeping  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        KeyChannels.scores, KeyChannels.keep = self.saved  # type: ignore[method-assign]
+
+
+def run_kvbench_channels(lm: LoadedModel, method: Method, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """kvbench's kept channels and channel scores [layers, heads, D] after prefilling ``ids`` (every token kept)."""
+    settings = EngineSettings(policy=build_policy(policy_config(method)), budget=1.0, stage="prefill")
+    request = Request(input_ids=ids, settings=DecodeSettings(max_new_tokens=1))
+    with ChannelProbe() as probe:
+        Engine(lm.model, lm.tokenizer, settings).run([request])
+    return np.stack(probe.kept), np.stack(probe.scores)
+
+
 BEGIN, END = "<!-- BEGIN measured by scripts/peer_agreement.py -->", "<!-- END measured -->"
 
 
@@ -268,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, method in methods.items():
         agreement = Agreement()
         for index, ids in enumerate(prompts):
-            kept, scores = run_kvbench(lm, method, ids, method.budget(len(ids), method.mean_ratio(a.ratio), a.budget))
+            if method.channels:
+                kept, scores = run_kvbench_channels(lm, method, ids)
+            else:
+                budget = method.budget(len(ids), method.mean_ratio(a.ratio), a.budget)
+                kept, scores = run_kvbench(lm, method, ids, budget)
             compare(agreement, index, kept, peer[f"{name}/{index}/kept"], peer[f"{name}/{index}/scores"], scores, a.eps)
         rows.append((name, method.press_label(), method.config_label(), agreement))
         notes += unexplained_rows(name, agreement)

@@ -8,7 +8,8 @@ REQUEST holds the compression ratio, the prompts' token ids and, per method, the
 false: the press decides its own kept count and is given no compression ratio). For every method and prompt
 the embedded SmolLM2 (its GGUF, loaded by transformers) prefills the prompt under the press, and OUT gets, per
 decoder layer and KV head, the mask of the positions the press kept (``<method>/<prompt>/kept``, bool [layers,
-heads, n]) and the scores it ranked them by (``<method>/<prompt>/scores``, float32, NaN where it scored nothing).
+heads, n]) and the scores it ranked them by (``<method>/<prompt>/scores``, float32, NaN where it scored nothing);
+a channel press (``"channels": true``, ThinK) gives the kept key channels and their scores, [layers, heads, D].
 
 The kept set is observed, not recomputed: a press that drops entries returns a gathered copy of the keys, and each
 kept key is found among the keys it was given; a masking press (AdaKV) keeps every key and names the masked ones
@@ -106,6 +107,31 @@ class Recorder:
         return recorded
 
 
+class ChannelRecorder:
+    """Wraps ThinKPress's ``compress`` to record each layer's kept key channels, observed: the channels the press
+    left non-zero in some key (it zeroes the pruned ones in place), and the channel scores its rule ranks them by,
+    from its own window queries."""
+
+    def __init__(self, press: Any, layers: int, heads: int, dim: int):
+        self.kept = np.zeros((layers, heads, dim), dtype=bool)
+        self.scores = np.full((layers, heads, dim), np.nan, dtype=np.float32)
+        self.press = press
+        press.compress = self._compressing(press.compress)
+
+    def _compressing(self, compress: Any) -> Any:
+        def recorded(module: Any, hidden_states: Any, keys: torch.Tensor, values: Any, attentions: Any, kwargs: Any):
+            given = keys.clone()
+            kept_keys, kept_values = compress(module, hidden_states, keys, values, attentions, kwargs)
+            self.kept[module.layer_idx] = (kept_keys[0] != 0).any(dim=1).numpy()
+            queries = self.press.compute_window_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"])
+            heads, dim = given.shape[1], given.shape[-1]
+            q_energy = queries.pow(2).mean(dim=2)[0].view(heads, -1, dim).mean(dim=1)
+            self.scores[module.layer_idx] = (q_energy * given[0].pow(2).mean(dim=1)).to(torch.float32).numpy()
+            return kept_keys, kept_values
+
+        return recorded
+
+
 def per_layer(press: Any) -> bool:
     """Whether the press sets its scorer's ratio layer by layer (``PerLayerCompressionPress``)."""
     return hasattr(press, "compression_ratios")
@@ -131,7 +157,14 @@ def main(request_path: str, out_path: str) -> None:
             # kept count (SimLayerKV) refuses a ratio
             if spec.get("ratio", True) and not per_layer(press):
                 press.compression_ratio = request["ratio"]
-            recorder = Recorder(press, layers, heads, len(ids))
+            if spec.get("channels"):
+                dim = (
+                    getattr(model.config, "head_dim", None)
+                    or model.config.hidden_size // model.config.num_attention_heads
+                )
+                recorder: Any = ChannelRecorder(press, layers, heads, dim)
+            else:
+                recorder = Recorder(press, layers, heads, len(ids))
             with torch.inference_mode(), press(model):
                 model.model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
             arrays[f"{name}/{index}/kept"] = recorder.kept

@@ -70,7 +70,11 @@ def fit_layers(cfg: dict, n_layers: int) -> dict:
 
 def keeping_all(cfg: dict) -> dict:
     """A policy's config as a budget of the sequence length keeps everything: a threshold allocation decides
-    what is kept whatever the budget, so there it gets the threshold every score reaches."""
+    what is kept whatever the budget, so there it gets the threshold every score reaches; key channels (ThinK) are
+    pruned whatever the budget, so there every channel is kept (a ratio of 0)."""
+    channels = cfg.get("channels")
+    if isinstance(channels, dict):
+        cfg = cfg | {"channels": channels | {"ratio": 0.0}}
     allocation = cfg.get("allocation")
     if isinstance(allocation, dict) and allocation.get("kind") == "threshold":
         return cfg | {"allocation": allocation | {"threshold": float("-inf")}}

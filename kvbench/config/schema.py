@@ -118,6 +118,7 @@ class PolicyConfig:
     allocation: Any = setting("uniform", expect="an allocation kind or {kind: ..., options}")
     merge: Any = setting(False, expect="true or false", check=merge_problem)
     quantize: str = setting("none", expect="none or a quantisation", check=quantize_problem)
+    channels: Any = setting(None, expect="null or {kind: think, ratio: ..., window: ...}")
     positions: Positions = setting(Positions.absolute, expect="a position mode")
     sliding_layers: SlidingLayers = setting(SlidingLayers.window, expect="a sliding-layer mode")
     interval: int = setting(1, expect=INTERVAL, check=at_least(1, INTERVAL))

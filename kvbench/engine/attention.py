@@ -14,9 +14,10 @@ hides) and the few rows a policy reads (the last query, an observation window) f
 ``blocked.attention_statistics``; a chunk whose statistics sum over every query, or a softcapped one (SDPA
 cannot softcap), takes its output and statistics from one blocked pass (``engine/blocked.py``). Once the
 output exists the layer records the statistics (``CacheLayer.record``); the cache evicts when the step
-finishes. A policy that needs no statistics pays nothing, and once no later step will evict
-(``Step.collects``) none are computed. The attention finds the cache of the forward under way through
-``attending``, which the batch loop holds around each forward.
+finishes. Under ``policy.channels`` the layer notes a context's last queries, and once its keys are pruned each
+query is narrowed to its KV head's kept channels before any product. A policy that needs no statistics pays
+nothing, and once no later step will evict (``Step.collects``) none are computed. The attention finds the cache of
+the forward under way through ``attending``, which the batch loop holds around each forward.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
 from kvbench.engine.visibility import KeyAccess, visibility
 from kvbench.policies.statistics import NOTHING, Collecting, Latest, Logged, Summed, attention_names, declared
+from kvbench.stages import Phase
 
 if TYPE_CHECKING:
     from kvbench.engine.cache.cache import KVCache
@@ -149,6 +151,10 @@ def kvbench_attention(
     access = KeyAccess(
         scaling if scaling is not None else query.shape[-1] ** -0.5, key.shape[2] - q, layer.visible, window, softcap
     )
+    if layer.store.channels is not None:  # pruned key channels (policy.channels): the query meets the kept ones
+        query = layer.narrow_queries(query)
+    elif layer.policy.channels is not None and step.phase is Phase.prefill:
+        layer.note_queries(query)
     needs = attention_names(layer.policy.needs) if step.collects else frozenset()
     if not step.prepares:
         needs = needs - {s.name for s in declared(needs, Logged)}

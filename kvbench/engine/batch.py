@@ -243,6 +243,8 @@ class BatchLoop:
             chunk = [ids[start : start + seq.chunk]]
             logits = self._forward(cache, [seq], chunk, Phase.prefill, self.stage.evicts_in(Phase.prefill))
         assert logits is not None, "a prompt has at least one chunk"
+        if self.policy.channels is not None:  # ThinK: key channels are chosen once the context is in
+            cache.prune_channels()
         seq.kept_after_prefill = cache.summary(0).kept_per_layer
         return logits
 

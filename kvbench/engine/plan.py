@@ -86,8 +86,8 @@ def sliding_problem(policy: Policy, windows: list[int | None]) -> str | None:
 
 def window_only(policy: Policy) -> Policy:
     """What a sliding layer runs when the policy leaves it alone: it holds its window, stored as the policy
-    stores entries (quantised, re-indexed)."""
-    return never_evicting(policy.name, policy.quantize, policy.positions)
+    stores entries (quantised, re-indexed, its key channels pruned)."""
+    return never_evicting(policy.name, policy.quantize, policy.positions, channels=policy.channels)
 
 
 def budget_layers(policy: Policy, windows: list[int | None]) -> list[int]:

@@ -3,8 +3,8 @@
 ``Score`` ranks a layer's held tokens per KV head, ``Scope`` shields some of them from eviction whatever
 their score, ``Allocation`` splits the budget across layers and (optionally) across the heads of a layer.
 The extras compose with any of them: ``merge`` folds evicted entries into kept ones (policies.merge, policies.cam),
-``quantize`` stores kept entries as int8/fp8, ``positions`` chooses absolute RoPE positions or StreamingLLM's
-re-indexing.
+``quantize`` stores kept entries as int8/fp8, ``channels`` keeps some channels of each key (ThinK, policies.channels),
+``positions`` chooses absolute RoPE positions or StreamingLLM's re-indexing.
 
 Named policies only choose the parts (configs/policy/*.yaml).
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvbench.policies.channels import KeyChannels
 from kvbench.policies.inputs import WEIGHTS, Queries
 from kvbench.policies.merge import CosineMerge, Merge
 from kvbench.policies.running import RowSum
@@ -191,6 +192,8 @@ class Policy:
     # Decode steps from one eviction to the next (kvpress's DecodingPress ``compression_interval``): between
     # evictions a row grows past its budget by up to ``interval - 1`` entries. 1: every decode step evicts.
     interval: int = 1
+    # Key-channel pruning (ThinK, policies.channels): None keeps every channel.
+    channels: KeyChannels | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.merge, bool):
@@ -214,10 +217,27 @@ class Policy:
                 f"score {type(self.score).__name__} reads the queries before RoPE against keys at their true "
                 "positions, which positions=reindex moves; use positions=absolute"
             )
+        if self.channels is not None:
+            self._check_channels()
         unknown = sorted(set(self.score.weights) - set(WEIGHTS))
         if unknown:
             raise ValueError(
                 f"score {type(self.score).__name__} reads unknown weight(s) {unknown}; known: {sorted(WEIGHTS)}"
+            )
+
+    def _check_channels(self) -> None:
+        """Pruned keys hold some channels of the rotated key: RoPE cannot turn them again, nor meet a query
+        before it."""
+        if self.positions == "reindex":
+            raise ValueError(
+                "channels prunes the rotated keys' channels, and positions=reindex rotates kept keys again, which "
+                "needs every channel; use positions=absolute"
+            )
+        reads = self.score.queries
+        if self.evicts and reads is not None and not reads.rope:
+            raise ValueError(
+                f"score {type(self.score).__name__} reads the queries before RoPE, which need every key channel; "
+                "channels keeps some: use a score that reads none (or policy.channels=null)"
             )
 
     @property

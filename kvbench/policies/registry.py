@@ -9,6 +9,7 @@ A policy config names its parts and carries their options (every option is a Hyd
     allocation: {kind: uniform}           # uniform | pyramid (beta) | adaptive (floor) | global (floor) | layers
     merge: false                          # true: fold evicted entries into their most similar kept entry; cam
     quantize: none                        # none | int8 | fp8
+    channels: null                        # {kind: think, ratio, window}: key channels pruned (policies.channels)
     positions: absolute                   # absolute | reindex
     sliding_layers: window                # window | evict (hybrid models' sliding layers; see engine.plan)
     interval: 1                           # decode steps from one eviction to the next
@@ -25,6 +26,7 @@ import typing
 from typing import Any, TypeVar
 
 from kvbench.policies.base import Policy, Score
+from kvbench.policies.channels import build_channels
 from kvbench.policies.full import never_evicting
 from kvbench.policies.merge import MERGES, Merge
 from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
@@ -43,6 +45,7 @@ POLICY_KEYS = (
     "allocation",
     "merge",
     "quantize",
+    "channels",
     "positions",
     "sliding_layers",
     "interval",
@@ -51,7 +54,7 @@ POLICY_KEYS = (
 )
 PHASES = ("prefill", "decode")
 # What shapes the cache, the run's for both phases of a policy per phase (the allocation is checked instead).
-CACHE_KEYS = ("merge", "quantize", "positions", "sliding_layers", "interval")
+CACHE_KEYS = ("merge", "quantize", "channels", "positions", "sliding_layers", "interval")
 
 
 def _options(spec: Any) -> dict[str, Any]:
@@ -149,6 +152,7 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         return _per_phase(cfg, phases)
     name = cfg["name"]
     quantize = build_quantizer(cfg.get("quantize"))
+    channels = build_channels(cfg.get("channels"))
     positions = cfg.get("positions") or "absolute"
     merge = build_merge(cfg.get("merge", False))
     sliding = cfg.get("sliding_layers") or "window"
@@ -159,7 +163,7 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
                 "a threshold keeps the entries whose score reaches it, and score=none has no score: name a base "
                 f"score (policy.score=key_norm, or one of {SCORES.choices()})"
             )
-        return never_evicting(name, quantize, positions, sliding_layers=sliding)
+        return never_evicting(name, quantize, positions, sliding_layers=sliding, channels=channels)
     score = build_score(score_spec)
     scope = _part(SCOPES, cfg.get("scope", "all"))
     allocation_spec = _options(cfg.get("allocation") or "uniform")
@@ -187,6 +191,7 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         positions=positions,
         sliding_layers=sliding,
         interval=cfg.get("interval", 1),
+        channels=channels,
     )
 
 
@@ -228,5 +233,6 @@ def _per_phase(cfg: dict[str, Any], phases: dict[str, Any]) -> Policy:
         positions=prefill.positions,
         sliding_layers=prefill.sliding_layers,
         interval=prefill.interval,
+        channels=prefill.channels,
         unsupported_stages=("prefill", "decode"),
     )

@@ -104,10 +104,13 @@ def generate_variants(family: str) -> list[tuple[str, dict]]:
     return variants
 
 
-# Every policy that evicts (a new policy config is replayed without an entry here), except those that merge: they
-# change the values they keep, which a mask cannot replay (tests/policies/test_cam.py checks each merge instead).
+# Every policy that evicts (a new policy config is replayed without an entry here), except those that merge or prune
+# key channels: they change the values or keys they keep, which a mask cannot replay (tests/policies/test_cam.py
+# checks each merge instead, tests/policies/test_think.py the pruned channels against eager attention zeroing them).
 REPLAYED = [
-    name for name, cfg in NAMED.items() if cfg.get("score", "none") not in (None, "none") and not cfg.get("merge")
+    name
+    for name, cfg in NAMED.items()
+    if cfg.get("score", "none") not in (None, "none") and not cfg.get("merge") and not cfg.get("channels")
 ]
 
 

@@ -218,6 +218,19 @@ CASES = [
         ["policy=h2o", "+policy.scope.windw=1"],
         "policy=h2o: scope 'sinks_window' has no option windw; its options are n_sink, window",
     ),
+    # Key channels (ThinK): a ratio that keeps no channel, reindexed keys, queries read before RoPE.
+    (
+        ["policy=think", "policy.channels.ratio=1"],
+        "policy=think: channels.ratio=1 must be at least 0 and below 1 (the share of key channels pruned; 1 keeps no",
+    ),
+    (
+        ["policy=think", "policy.positions=reindex"],
+        "policy=think: channels prunes the rotated keys' channels, and positions=reindex rotates kept keys again",
+    ),
+    (
+        ["policy=expected_attention", "policy.channels={kind:think,ratio:0.5}"],
+        "policy=expected_attention: score ExpectedAttention reads the queries before RoPE, which need every key",
+    ),
     (
         ["policy=h2o", "policy.interval=0"],
         "policy.interval=0 must be a positive integer (decode steps from one eviction to the next; 1: every step)",

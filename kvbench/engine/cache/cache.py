@@ -203,6 +203,15 @@ class KVCache(Cache):
         for layer in self.kv_layers:
             layer.finish()
 
+    def prune_channels(self) -> None:
+        """The context is in: every layer keeps the key channels ``policy.channels`` chooses (``CacheLayer.
+        prune_channels``), and the running sums the policy reads are summed again over what is now kept."""
+        for layer in self.kv_layers:
+            layer.prune_channels()
+        e = self.allocated
+        if e.row_sums is not None:
+            e.row_sums.rebuild(e.occupied, e.slots_used)
+
     def layer_state(self, layer: int, lane: int = 0) -> TokenState:
         """What decoder layer ``layer`` of the sequence in ``lane`` holds, as its policy ranks it."""
         self.kv_layers[layer].write_features()
@@ -232,7 +241,10 @@ class KVCache(Cache):
             return CacheStats([0.0] * len(self.layers), 0, 0, [0] * len(self.layers))
         e = self.entries
         counts = e.lengths[:, e.row_range(lane, lane + 1)].sum(dim=1).tolist()
-        resident = [c * layer.store.row_bytes() for c, layer in zip(counts, self.kv_layers)]
+        resident = [
+            c * layer.store.row_bytes() + e.heads * layer.store.index_bytes()
+            for c, layer in zip(counts, self.kv_layers)
+        ]
         return CacheStats(
             kept_per_layer=[c / e.heads for c in counts],
             resident_bytes=sum(resident),
@@ -245,7 +257,9 @@ class KVCache(Cache):
         e = self.allocated
         counts = e.lengths[:, e.row_range(lanes.start, lanes.stop)].view(e.layers, len(lanes), e.heads).sum(dim=2)
         row_bytes = torch.tensor([layer.store.row_bytes() for layer in self.kv_layers], device=self.device)
+        index = sum(e.heads * layer.store.index_bytes() for layer in self.kv_layers)  # each row's kept channels
         resident, entries = torch.stack([(counts * row_bytes.unsqueeze(1)).sum(dim=0), counts.sum(dim=0)]).tolist()
+        resident = [r + index for r in resident]
         return [(b, n / (e.layers * e.heads)) for b, n in zip(resident, entries)]
 
     def kept_positions(self, lane: int = 0) -> list[torch.Tensor]:
