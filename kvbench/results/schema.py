@@ -57,7 +57,9 @@ class Timings:
 class Measures:
     """What the engine measured for one sequence: budget, cache, memory, time, lengths."""
 
-    budget_tokens: int | None  # the budget in tokens (None: no eviction)
+    # The budget in tokens (None: no eviction). Under a decode-time sparsity (Quest) the keys each decode query
+    # attends, not held ones: such a policy holds every token (docs/budgets.md).
+    budget_tokens: int | None
     # Fraction held, mean over layers: stage=prefill, context tokens kept after prefill / context tokens;
     # otherwise KV tokens held at the end / tokens seen.
     budget_achieved: float
