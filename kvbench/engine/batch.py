@@ -88,8 +88,8 @@ class BatchLoop:
         chunk = self.settings.stride or context
         new = request.settings.max_new_tokens
         budget = self.settings.budget
-        budgeted = self.policy.evicts or self.policy.sparsity is not None  # held keys, or attended ones
-        tokens = budget_tokens(budget, reference_length(self.stage, context, suffix, new)) if budgeted else None
+        reference = reference_length(self.stage, context, suffix, new)
+        tokens = budget_tokens(budget, reference) if self.policy.budgeted else None  # held keys, or attended ones
         problem = None if tokens is None else too_small(tokens, self.policy)
         if problem:
             raise ValueError(f"budget of {problem}")

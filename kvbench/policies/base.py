@@ -244,6 +244,12 @@ class Policy:
         return self.score.needs | self.scope.needs | merging
 
     @property
+    def budgeted(self) -> bool:
+        """Whether the budget changes what the policy does: it evicts to it, or (a sparsity) attends that many keys
+        per decode query. A policy that is neither (the full cache) ignores it."""
+        return self.evicts or self.sparsity is not None
+
+    @property
     def needs_attention(self) -> bool:
         return bool(attention_names(self.needs))
 

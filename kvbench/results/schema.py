@@ -77,7 +77,7 @@ class Measures:
     budget_achieved_sliding: float | None  # fraction, sliding-window layers
     kv_resident_bytes_full: int | None  # bytes, full-attention layers
     kv_resident_bytes_sliding: int | None  # bytes, sliding-window layers
-    kv_capacity_bytes: int  # bytes of the cache's allocated buffers
+    kv_capacity_bytes: int  # bytes of the cache's allocated buffers (with a sparsity's page bounds for every slot)
     peak_memory_prefill_bytes: int  # bytes, peak during prefill (see peak_memory_kind)
     peak_memory_bytes: int  # bytes, peak over the run (see peak_memory_kind)
     peak_memory_kind: str  # what the peaks measure: CUDA allocations or the process's resident set

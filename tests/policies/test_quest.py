@@ -185,7 +185,7 @@ def test_every_page_is_the_full_cache(llama, prompt):
 def test_memory_is_the_full_caches_plus_the_page_bounds(llama, prompt):
     """Nothing is evicted: the row holds every token (budget_achieved 1), its budget column is the attended keys,
     and its resident bytes are the full cache's plus, in each layer Quest applies to, a min and a max key vector
-    per page begun, per KV head (counted by hand here)."""
+    per page begun, per KV head (counted by hand here); the capacity counts them for every slot."""
     settings = DecodeSettings(max_new_tokens=NEW)
     quest = generate(llama, None, prompt, quest_policy(), BUDGET, "decode", settings).measures
     full = generate(llama, None, prompt, build_policy({"name": "full"}), BUDGET, "decode", settings).measures
@@ -198,4 +198,7 @@ def test_memory_is_the_full_caches_plus_the_page_bounds(llama, prompt):
     bounds = (cfg.num_hidden_layers - 1) * kv_heads * pages * 2 * head_dim * 4  # the dense first layer keeps none
     assert quest.kv_resident_bytes == full.kv_resident_bytes + bounds
     assert quest.kv_resident_peak_bytes == quest.kv_resident_bytes
+    capacity = PROMPT + NEW  # a row's slots: every token of the sequence
+    bounds_at_capacity = (cfg.num_hidden_layers - 1) * kv_heads * math.ceil(capacity / PAGE) * 2 * head_dim * 4
+    assert quest.kv_capacity_bytes == full.kv_capacity_bytes + bounds_at_capacity
     assert quest.budget_tokens == BUDGET and quest.budget_achieved == 1.0 and quest.kept_tokens == held

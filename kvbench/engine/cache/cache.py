@@ -235,10 +235,12 @@ class KVCache(Cache):
         counts = lengths.sum(dim=1).tolist()
         beside = self._sparsity_bytes(lengths).sum(dim=1).tolist()
         resident = [c * layer.store.row_bytes() + b for c, b, layer in zip(counts, beside, self.kv_layers)]
+        capacities = torch.tensor([[layer.store.capacity] * e.heads for layer in self.kv_layers], device=self.device)
         return CacheStats(
             kept_per_layer=[c / e.heads for c in counts],
             resident_bytes=sum(resident),
-            capacity_bytes=sum(layer.store.capacity_bytes() for layer in self.kv_layers) // self.lanes,
+            capacity_bytes=sum(layer.store.capacity_bytes() for layer in self.kv_layers) // self.lanes
+            + int(self._sparsity_bytes(capacities).sum()),
             resident_per_layer=resident,
         )
 
