@@ -191,7 +191,9 @@ class BatchLoop:
         attend every key)."""
         if self.policy.sparsity is None or phase is not Phase.decode:
             return None
-        return [s.budget_tokens for s in seqs if s.budget_tokens is not None]
+        budgets = [s.budget_tokens for s in seqs if s.budget_tokens is not None]
+        assert len(budgets) == len(seqs), "every sequence has a budget under a sparsity (Policy.budgeted)"
+        return budgets
 
     def _admit(self, seq: Sequence) -> None:
         """Prefill one prompt (its chunks, or its copy of a shared context, then the suffix) and give the sequence
