@@ -132,11 +132,11 @@ def registries() -> tuple[Registry, ...]:
     """Every registry of the package (tests/test_registry.py checks that no other exists)."""
     from kvbench.metrics.registry import METRICS
     from kvbench.policies.merge import MERGES
-    from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
+    from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES, SPARSITIES
     from kvbench.policies.quantize import QUANTIZERS
     from kvbench.tasks.registry import TASKS
 
-    return SCORES, SCOPES, ALLOCATIONS, QUANTIZERS, MERGES, TASKS, METRICS
+    return SCORES, SCOPES, ALLOCATIONS, SPARSITIES, QUANTIZERS, MERGES, TASKS, METRICS
 
 
 @pytest.fixture(autouse=True)

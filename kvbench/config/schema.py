@@ -122,6 +122,8 @@ class PolicyConfig:
     positions: Positions = setting(Positions.absolute, expect="a position mode")
     sliding_layers: SlidingLayers = setting(SlidingLayers.window, expect="a sliding-layer mode")
     interval: int = setting(1, expect=INTERVAL, check=at_least(1, INTERVAL))
+    # Decode-time sparsity with score none (kvbench.policies.sparse): the budget then counts attended keys
+    sparsity: Any = setting("none", expect="none or a sparsity kind {kind: quest, page_size: ..., dense_layers: ...}")
     # stage=both: another named policy (configs/policy/) for one phase; null: this one (kvbench.policies.phased)
     prefill: str | None = setting(None, expect=PHASE_POLICY)
     decode: str | None = setting(None, expect=PHASE_POLICY)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -47,15 +47,22 @@ ATTN_NAME = "kvbench"
 PASSIVE_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
 
 
+# A decode-time sparsity's choice for a decode step: (queries [rows, group, D], keys [rows, n, D], visible
+# [rows, n] or None) to the keys each query head attends, bool [rows, group, n].
+Selector = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
 def decode_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     access: KeyAccess,
     collecting: Collecting = NOTHING,
+    select: Selector | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One query per sequence (query [B, heads, 1, D]) over its rows' keys [B, kv_heads, n, D], each row seeing
-    what ``access.visible`` [B × kv_heads, n] and its window show (None: every key). Returns the attention output
+    what ``access.visible`` [B × kv_heads, n] and its window show (None: every key), and each query head of it
+    only what ``select`` chooses of that (None: all of it). Returns the attention output
     in the layout transformers' attention functions return ([B, 1, heads, Dv]) and the statistics of
     ``attention_statistics`` for that query ([B × kv_heads, n] each), both from one set of probabilities
     (float32). Each row is its own batched product: a sequence's result does not depend on the others'."""
@@ -69,7 +76,9 @@ def decode_attention(
     if access.window is not None:
         in_window = access.window.allowed(0, 1)[:, 0]  # [rows, n]
         visible = in_window if visible is None else visible & in_window
-    if visible is not None:
+    if select is not None:
+        logits = logits.masked_fill(~select(qh, keys, visible), float("-inf"))
+    elif visible is not None:
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
     probs = logits.softmax(dim=-1)
     output = torch.bmm(probs, value.reshape(rows, n, -1).float()).to(query.dtype).view(b, 1, hq, -1)
@@ -160,10 +169,11 @@ def kvbench_attention(
         needs = needs - {s.name for s in declared(needs, Logged)}
     collecting = Collecting(needs, layer.policy.history) if needs else NOTHING
     if q == 1:
+        select = _selector(layer, step)
         # SDPA only for one unmasked sequence: for several, one batched product per row (docs/perf/batch.md).
-        plain = query.shape[0] == 1 and layer.visible is None and window is None
+        plain = query.shape[0] == 1 and layer.visible is None and window is None and select is None
         if needs or softcap is not None or not plain:
-            output, stats = decode_attention(query, key, value, access, collecting)
+            output, stats = decode_attention(query, key, value, access, collecting, select)
         else:
             output, stats = (
                 sdpa_attention_forward(
@@ -186,6 +196,20 @@ def kvbench_attention(
     stats = attention_statistics(query, key, access, collecting) if needs else {}
     layer.record(_with_queries(stats, layer, step, query))
     return output, None
+
+
+def _selector(layer: CacheLayer, step: Step) -> Selector | None:
+    """What the policy's decode-time sparsity lets this decode step's query heads attend in this layer (None:
+    every visible key): each lane's budget of attended keys (``Step.attended``) holds for its KV heads' rows."""
+    sparsity = layer.policy.sparsity
+    if sparsity is None or step.attended is None or not sparsity.applies(layer.layer_idx):
+        return None
+    positions = layer.key_positions
+    assert positions is not None, "update sets the step's key positions before the layer attends"
+    heads = layer.entries.heads
+    budgets = torch.tensor(step.attended, device=positions.device).repeat_interleave(heads)
+    query_positions = layer.current.query_positions[:, 0]
+    return lambda queries, keys, visible: sparsity.select(queries, keys, positions, visible, query_positions, budgets)
 
 
 def _with_queries(

@@ -88,13 +88,13 @@ class BatchLoop:
         chunk = self.settings.stride or context
         new = request.settings.max_new_tokens
         budget = self.settings.budget
-        tokens = (
-            budget_tokens(budget, reference_length(self.stage, context, suffix, new)) if self.policy.evicts else None
-        )
+        reference = reference_length(self.stage, context, suffix, new)
+        tokens = budget_tokens(budget, reference) if self.policy.budgeted else None  # held keys, or attended ones
         problem = None if tokens is None else too_small(tokens, self.policy)
         if problem:
             raise ValueError(f"budget of {problem}")
-        plans = plan_layers(self.policy, tokens, self.windows, self.stage, context, suffix, new, chunk)
+        held = tokens if self.policy.evicts else None
+        plans = plan_layers(self.policy, held, self.windows, self.stage, context, suffix, new, chunk)
         if request.context_id is not None:
             evicts = self.stage.evicts_in(Phase.prefill)
             self.contexts.join(request.context_id, request.input_ids, plans, evicts)
@@ -141,6 +141,7 @@ class BatchLoop:
             collects=evicts or self.stage.evicts_in(Phase.decode),
             prepares=phase is not Phase.decode or cache.evictor.prepares(range(len(seqs))),
             replay_masks=self._replay_masks(cache, seqs, positions),
+            attended=self._attended(seqs, phase),
         )
         fed = cache.begin(step)
         input_ids = torch.tensor(ids, device=self.device)
@@ -184,6 +185,15 @@ class BatchLoop:
                 rows.append(by_position)
             masks.append(torch.cat(rows))
         return masks
+
+    def _attended(self, seqs: list[Sequence], phase: Phase) -> list[int] | None:
+        """Under a decode-time sparsity, each lane's budget of attended keys in a decode step (prompt chunks
+        attend every key)."""
+        if self.policy.sparsity is None or phase is not Phase.decode:
+            return None
+        budgets = [s.budget_tokens for s in seqs if s.budget_tokens is not None]
+        assert len(budgets) == len(seqs), "every sequence has a budget under a sparsity (Policy.budgeted)"
+        return budgets
 
     def _admit(self, seq: Sequence) -> None:
         """Prefill one prompt (its chunks, or its copy of a shared context, then the suffix) and give the sequence

@@ -26,7 +26,8 @@ class Step:
     last queries before an eviction) and writes the features of the entries fed since the last one; false in a
     decode step whose lanes all evict more than ``max(history, 1)`` steps later (``Evictor.prepares``).
     ``replay_masks``: masked replay, per layer [rows of the lanes, positions so far] — which positions each row
-    may see (None: what it holds)."""
+    may see (None: what it holds). ``attended``: under a decode-time sparsity (``Policy.sparsity``), each lane's
+    budget of keys a decode query attends (None: every visible key)."""
 
     lanes: range
     positions: list[list[int]]
@@ -35,6 +36,7 @@ class Step:
     collects: bool
     prepares: bool = True
     replay_masks: list[torch.Tensor] | None = None
+    attended: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.positions) != len(self.lanes) or len({len(p) for p in self.positions}) != 1:

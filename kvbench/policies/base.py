@@ -22,6 +22,7 @@ from kvbench.policies.channels import KeyChannels
 from kvbench.policies.inputs import WEIGHTS, Queries
 from kvbench.policies.merge import CosineMerge, Merge
 from kvbench.policies.running import RowSum
+from kvbench.policies.sparse import Sparsity
 from kvbench.policies.state import TokenState
 from kvbench.policies.statistics import attention_names
 
@@ -194,6 +195,9 @@ class Policy:
     interval: int = 1
     # Key-channel pruning (ThinK, policies.channels): None keeps every channel.
     channels: KeyChannels | None = None
+    # Decode-time sparsity (policies.sparse: Quest): which held keys each decode query attends; only with a policy
+    # that never evicts, whose budget then counts attended keys.
+    sparsity: Sparsity | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.merge, bool):
@@ -209,8 +213,19 @@ class Policy:
                 f"allocation={self.allocation.describe()} ranks every layer together, and a merge folds entries "
                 "within one layer; use policy.merge=false"
             )
+        if self.sparsity is not None and self.evicts:
+            raise ValueError(
+                "a sparsity part chooses the keys a full cache's queries attend, and the budget counts them; it "
+                "cannot combine with an evicting score: use score=none"
+            )
         if self.unsupported_stages is None:
-            self.unsupported_stages = tuple(self.score.unsupported_stages) if self.evicts else ()
+            self.unsupported_stages = (
+                self.sparsity.unsupported_stages
+                if self.sparsity is not None
+                else tuple(self.score.unsupported_stages)
+                if self.evicts
+                else ()
+            )
         reads = self.score.queries
         if self.positions == "reindex" and reads is not None and not reads.rope:
             raise ValueError(
@@ -247,6 +262,12 @@ class Policy:
             return frozenset()
         merging = self.merge.needs if isinstance(self.merge, Merge) else frozenset()
         return self.score.needs | self.scope.needs | merging
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the budget changes what the policy does: it evicts to it, or (a sparsity) attends that many keys
+        per decode query. A policy that is neither (the full cache) ignores it."""
+        return self.evicts or self.sparsity is not None
 
     @property
     def needs_attention(self) -> bool:
@@ -294,7 +315,7 @@ class Policy:
     @property
     def why_unsupported(self) -> str:
         """Why the unsupported stages are refused (one sentence), for messages."""
-        return self.score.why_unsupported
+        return self.sparsity.why_unsupported if self.sparsity is not None else self.score.why_unsupported
 
     def layer_budgets(self, budget: int, n_layers: int, limit: int | None = None) -> list[int]:
         return self.allocation.layer_budgets(budget, n_layers, limit, self.scope.reserved(budget))

@@ -13,6 +13,7 @@ A policy config names its parts and carries their options (every option is a Hyd
     positions: absolute                   # absolute | reindex
     sliding_layers: window                # window | evict (hybrid models' sliding layers; see engine.plan)
     interval: 1                           # decode steps from one eviction to the next
+    sparsity: none                        # {kind: quest, page_size, dense_layers}: with score none (policies.sparse)
     prefill: null                         # another policy's config for the prompt (kvbench.policies.phased)
     decode: null                          # another policy's config for decoding
 
@@ -29,10 +30,11 @@ from kvbench.policies.base import Policy, Score
 from kvbench.policies.channels import build_channels
 from kvbench.policies.full import never_evicting
 from kvbench.policies.merge import MERGES, Merge
-from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
+from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES, SPARSITIES
 from kvbench.policies.phased import PhasedScope, PhasedScore
 from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scores.shared import SharedAcrossHeads
+from kvbench.policies.sparse import Sparsity
 from kvbench.policies.statistics import STATISTICS
 from kvbench.registry import Registry
 from kvbench.tasks.options import describe
@@ -49,6 +51,7 @@ POLICY_KEYS = (
     "positions",
     "sliding_layers",
     "interval",
+    "sparsity",
     "prefill",
     "decode",
 )
@@ -141,6 +144,13 @@ def build_merge(spec: Any) -> Merge | None:
     return MERGES.get(kind)(**options)
 
 
+def build_sparsity(spec: Any) -> Sparsity | None:
+    """The decode-time sparsity a policy's ``sparsity`` setting names (``kvbench.policies.sparse``), or None."""
+    if spec in (None, False, "none"):
+        return None
+    return _part(SPARSITIES, spec)
+
+
 def build_policy(cfg: dict[str, Any]) -> Policy:
     """``score: none`` means the full cache: nothing is ever evicted (it may still be quantised)."""
     cfg = dict(cfg)
@@ -157,13 +167,19 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
     merge = build_merge(cfg.get("merge", False))
     sliding = cfg.get("sliding_layers") or "window"
     score_spec = cfg.get("score", "none")
+    sparsity = build_sparsity(cfg.get("sparsity"))
+    if sparsity is not None and channels is not None:
+        raise ValueError(
+            "a decode-time sparsity bounds each page's keys over every channel, and pruned key channels leave some "
+            "out: drop policy.channels or policy.sparsity"
+        )
     if score_spec in (None, "none"):
         if ALLOCATIONS.get(str(_options(cfg.get("allocation") or "uniform").get("kind"))).thresholded:
             raise ValueError(
                 "a threshold keeps the entries whose score reaches it, and score=none has no score: name a base "
                 f"score (policy.score=key_norm, or one of {SCORES.choices()})"
             )
-        return never_evicting(name, quantize, positions, sliding_layers=sliding, channels=channels)
+        return never_evicting(name, quantize, positions, sliding_layers=sliding, channels=channels, sparsity=sparsity)
     score = build_score(score_spec)
     scope = _part(SCOPES, cfg.get("scope", "all"))
     allocation_spec = _options(cfg.get("allocation") or "uniform")
@@ -192,6 +208,7 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         sliding_layers=sliding,
         interval=cfg.get("interval", 1),
         channels=channels,
+        sparsity=sparsity,
     )
 
 

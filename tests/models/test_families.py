@@ -101,6 +101,8 @@ def generate_variants(family: str) -> list[tuple[str, dict]]:
         variants += [(name, {"sliding_layers": "evict"}) for name in ("h2o", "tova", "snapkv", "adakv", "window")]
     if family not in NO_ROPE:  # kept keys re-rotated in the family's own RoPE layout (per layer where it differs)
         variants += [(name, {"positions": "reindex"}) for name in ("streamingllm", "h2o", "adakv")]
+    # Quest leaves its first two layers dense, which are most of a tiny model's: here every layer chooses pages.
+    variants.append(("quest", {"sparsity": NAMED["quest"]["sparsity"] | {"dense_layers": 0, "page_size": 4}}))
     return variants
 
 

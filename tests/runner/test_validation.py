@@ -281,6 +281,27 @@ CASES = [
     (["policy=simlayerkv", "policy.score.lazy_threshold=1.5"], "lazy_threshold=1.5 must be in (0, 1]"),
     (["policy=simlayerkv", "policy.score.n_recent=-8"], "n_recent=-8 must be >= n_last=1"),
     (["policy=simlayerkv", "policy.score.n_initial=-1"], "n_initial=-1 must be >= 0 sink tokens"),
+    # Quest chooses the keys each decode query attends and never evicts: the prompt is attended in full.
+    (["policy=quest", "stage=prefill"], "policy=quest cannot run in stage=prefill; use stage in ['decode']"),
+    (["policy=quest", "stage=both"], "policy=quest cannot run in stage=both; use stage in ['decode']"),
+    (
+        ["policy=quest", "stage=decode", "policy.sparsity.page_size=0"],
+        "policy=quest: sparsity.page_size=0 must be a positive integer (keys per page; 16)",
+    ),
+    (["policy=quest", "stage=decode", "policy.sparsity.page_size=2.5"], "sparsity.page_size=2.5 must be an integer"),
+    (
+        ["policy=quest", "stage=decode", "policy.sparsity.dense_layers=-1"],
+        "policy=quest: sparsity.dense_layers=-1 must be an integer >= 0",
+    ),
+    (
+        ["policy=quest", "stage=decode", "policy.channels={kind:think,ratio:0.5}"],
+        "policy=quest: a decode-time sparsity bounds each page's keys over every channel",
+    ),
+    (
+        ["policy=h2o", "stage=decode", "policy.sparsity=quest"],
+        "policy=h2o: a sparsity part chooses the keys a full cache's queries attend, and the budget counts them; it "
+        "cannot combine with an evicting score: use score=none",
+    ),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 
@@ -376,9 +397,11 @@ def test_refused_inputs_doc_is_current(cli):
 
 
 def generic(message: str) -> str:
-    """``message`` with each registry's list of names replaced by what it lists."""
+    """``message`` with each registry's list of names replaced by what it lists (a registry of one name has no
+    list: its name is a word of other messages too)."""
     for registry in registries():
-        message = message.replace(registry.choices(), f"<the registered {registry.what}s>")
+        if len(registry.names()) > 1:
+            message = message.replace(registry.choices(), f"<the registered {registry.what}s>")
     return message
 
 
