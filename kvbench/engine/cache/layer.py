@@ -64,6 +64,8 @@ class CacheLayer(CacheLayerMixin):
         self.visible: torch.Tensor | None = None
         self.key_positions: torch.Tensor | None = None
         self.feeding: Feeding | None = None
+        # A replay pass's queries' hidden-state norms [q], where its score reads them (``engine.replay``).
+        self.hidden_norm: torch.Tensor | None = None
 
     def attach(self, store: KVStore, entries: Entries) -> None:
         """The layer's K/V buffers and the cache's bookkeeping, allocated once their shapes are known."""
@@ -183,6 +185,8 @@ class CacheLayer(CacheLayerMixin):
                 column = e.table[layer, rr, : value.shape[-1], e.columns.index(name)]
                 if STATISTICS[name].fold == "replace":
                     column.copy_(value)
+                elif STATISTICS[name].fold == "max":
+                    torch.maximum(column, value, out=column)
                 else:
                     column += value
         if e.log is not None and "qlog" in stats:
