@@ -23,6 +23,7 @@ from kvbench.engine.attention import attending, kvbench_attention_enabled
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.contexts import Prefilled, SharedContexts
 from kvbench.engine.fused_llama import FusedLlama
+from kvbench.engine.masked_replay import replay_masks
 from kvbench.engine.plan import LayerPlan, plan_layers
 from kvbench.engine.replay import hidden_norms, passes
 from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
@@ -95,16 +96,11 @@ class BatchLoop:
         problem = None if tokens is None else too_small(tokens, self.policy)
         if problem:
             raise ValueError(f"budget of {problem}")
-        replay = self.policy.replay
-        replays = (
-            passes(self.tokenizer, request.input_ids, replay)
-            if replay is not None and self.stage.evicts_in(Phase.prefill)
-            else []
-        )
+        evicts = self.stage.evicts_in(Phase.prefill)
+        replays = passes(self.tokenizer, request.input_ids, self.policy.replay) if evicts else []
         longest = max((len(ids) for _, ids in replays), default=0)
         plans = plan_layers(self.policy, tokens, self.windows, self.stage, context, suffix, new, chunk, longest)
         if request.context_id is not None:
-            evicts = self.stage.evicts_in(Phase.prefill)
             self.contexts.join(request.context_id, request.input_ids, plans, evicts)
         return Sequence(index, request, plans, tokens, chunk, self.device, replays=replays)
 
@@ -155,7 +151,7 @@ class BatchLoop:
             evicts=evicts,
             collects=replay is None and (evicts or self.stage.evicts_in(Phase.decode)),
             prepares=phase is not Phase.decode or cache.evictor.prepares(range(len(seqs))),
-            replay_masks=None if replay else self._replay_masks(cache, seqs, positions),
+            replay_masks=None if replay else replay_masks(len(self.windows), seqs, positions, self.device),
             replay=replay,
         )
         fed = cache.begin(step)
@@ -182,29 +178,6 @@ class BatchLoop:
             if self.settings.trace:
                 s.traces.append(cache.kept_positions(i))
         return logits
-
-    def _replay_masks(
-        self, cache: KVCache, seqs: list[Sequence], positions: list[list[int]]
-    ) -> list[torch.Tensor] | None:
-        """Masked replay: each layer's past down to what the traced run held at this step, by position."""
-        traced = [s.request.replay_trace for s in seqs]
-        if all(t is None for t in traced) or all(s.forwards == 0 for s in seqs):
-            return None
-        if any(t is None for t in traced):
-            raise ValueError("masked replay needs a trace for every sequence of the batch")
-        width = max(p[-1] for p in positions) + 1
-        masks: list[torch.Tensor] = []
-        for layer in range(len(self.windows)):
-            rows = []
-            for s, p, trace in zip(seqs, positions, traced):
-                assert trace is not None, "checked above: every sequence has a trace"
-                held = trace[s.forwards - 1][layer].to(self.device)
-                by_position = torch.zeros(held.shape[0], width, dtype=torch.bool, device=self.device)
-                by_position.scatter_(1, held, True)
-                by_position[:, p[0] :] = True  # the step's own tokens
-                rows.append(by_position)
-            masks.append(torch.cat(rows))
-        return masks
 
     def _admit(self, seq: Sequence) -> None:
         """Prefill one prompt (its chunks, or its copy of a shared context, then the suffix) and give the sequence

@@ -50,9 +50,12 @@ def template_ends(tokenizer: Any) -> tuple[list[int], list[int]]:
     return encode(before.split(dummy)[0]), encode(after)
 
 
-def passes(tokenizer: Any, input_ids: list[int], replay: Replay) -> list[Pass]:
-    """The prompt's replay passes: what each repeats, and the ids it feeds. Without a tokenizer (a library call
-    given none) a pass feeds no instruction, only the previous chunk's last tokens and its chunk."""
+def passes(tokenizer: Any, input_ids: list[int], replay: Replay | None) -> list[Pass]:
+    """The prompt's replay passes: what each repeats, and the ids it feeds (none for a policy that does not
+    replay). Without a tokenizer (a library call given none) a pass feeds no instruction, only the previous
+    chunk's last tokens and its chunk."""
+    if replay is None:
+        return []
     prefix: list[int] = []
     first: list[int] = []
     later: list[int] = []

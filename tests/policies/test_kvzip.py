@@ -22,6 +22,7 @@ from kvbench.policies.registry import build_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CHUNK, N_SINK = 7, 2
+ONE = DecodeSettings(max_new_tokens=1)
 
 
 def config(name: str, **score) -> dict:
@@ -113,3 +114,42 @@ def test_replay_scores_equal_the_models_eager_attention(tiny, random_ids, name):
     got = kvbench_scores(tiny.model, ids, cfg)
     want = eager_scores(tiny.model, ids, cfg)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def kept_sets(generation) -> list[list[set[int]]]:
+    """Per layer and KV head, the positions held after the prompt, its last forward's trace entry (one token
+    generated: no decode forward; the trace pads a short row with its newest position)."""
+    return [[set(row.tolist()) for row in layer] for layer in generation.trace[-1]]
+
+
+@pytest.mark.parametrize(("n", "budget", "per_row"), [(20, 6, 6), (21, 0.5, 11)])
+@pytest.mark.parametrize("name", ["kvzip", "kvzip_plus"])
+def test_resident_bytes_are_the_entries_the_rows_hold(tiny, random_ids, name, n, budget, per_row):
+    """After the passes, the rows hold the budget in all (one top-k over every layer and KV head, the sinks among
+    the kept, not on top; a fraction of the prompt rounds up: half of 21 is 11 a row) and none of the passes'
+    own entries: resident KV bytes are the held entries counted from the kept positions times a key and a value
+    of float32 each; the most held at a step's end is the whole prompt (kept through the passes)."""
+    cfg = config(name, chunk=CHUNK, n_sink=N_SINK)
+    g = generate(tiny.model, None, random_ids(n, seed=5), build_policy(cfg), budget, "prefill", ONE, trace=True)
+    layers, heads = tiny.model.config.num_hidden_layers, tiny.model.config.num_key_value_heads
+    entry_bytes = 2 * (tiny.model.config.hidden_size // tiny.model.config.num_attention_heads) * 4
+    kept = kept_sets(g)
+    held = sum(len(row) for layer in kept for row in layer)
+    assert held == layers * heads * per_row
+    assert all(sinks <= row for layer in kept for row in layer for sinks in [set(range(N_SINK))])
+    assert all(p < n for layer in kept for row in layer for p in row)  # no pass entry is left
+    assert g.measures.kv_resident_bytes == held * entry_bytes
+    assert g.measures.kv_resident_peak_bytes == layers * heads * n * entry_bytes
+
+
+@pytest.mark.parametrize("name", ["kvzip", "kvzip_plus"])
+def test_a_prefill_stride_keeps_what_one_chunk_keeps(tiny, random_ids, name):
+    """The passes run after the whole prompt is fed, whatever the stride: a prompt fed 6 tokens at a time keeps
+    the same entries as one fed at once (the scores agree to float rounding; the kept sets exactly)."""
+    ids = random_ids(20, seed=6)
+    cfg = config(name, chunk=CHUNK, n_sink=N_SINK)
+    runs = [
+        generate(tiny.model, None, ids, build_policy(cfg), 6, "prefill", ONE, stride=stride, trace=True)
+        for stride in (None, 6)
+    ]
+    assert kept_sets(runs[1]) == kept_sets(runs[0])

@@ -268,6 +268,10 @@ CASES = [
     (["policy=simlayerkv", "policy.score.lazy_threshold=1.5"], "lazy_threshold=1.5 must be in (0, 1]"),
     (["policy=simlayerkv", "policy.score.n_recent=-8"], "n_recent=-8 must be >= n_last=1"),
     (["policy=simlayerkv", "policy.score.n_initial=-1"], "n_initial=-1 must be >= 0 sink tokens"),
+    # KVzip replays the prompt once, after it is fed: nothing to replay in the decode phase.
+    (["policy=kvzip", "stage=decode"], "policy=kvzip cannot run in stage=decode; use stage in ['prefill']"),
+    (["policy=kvzip_plus", "stage=both"], "policy=kvzip_plus cannot run in stage=both; use stage in ['prefill']"),
+    (["policy=kvzip", "policy.score.chunk=0"], "replay chunk=0 must be >= 1 token"),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 
