@@ -31,6 +31,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
+from kvbench.engine.replay import template_ends
 from kvbench.models import LoadedModel, load_model, load_tokenizer
 from kvbench.policies.base import Policy
 from kvbench.policies.channels import KeyChannels
@@ -62,6 +63,11 @@ class Method:
     # The press prunes key channels, not tokens (ThinK): both sides' kept sets are channels [layers, heads, D], the
     # press takes no compression ratio (its own names the share of channels) and kvbench's budget caps nothing.
     channels: bool = False
+    # The press takes the chat template's opening (the ids before a user message's text) to start every prompt
+    # and skips that many ids, whatever they are (KVzip): both sides get prompts that start with it.
+    chat_header: bool = False
+    # The press ranks every layer's entries at once (KVzip): its kept total must be a whole budget per row.
+    pooled: bool = False
 
     def press_spec(self) -> dict[str, Any]:
         inner = {"press": self.inner, "kwargs": self.inner_kwargs} if self.inner else None
@@ -79,6 +85,20 @@ class Method:
         if self.adaptive or self.channels:
             return 1.0
         return kvpress_kept_count(n, ratio) if kind == "count" else round(1 - ratio, 10)
+
+    def prompt(self, ids: list[int], header: list[int], rows: int, ratio: float) -> list[int]:
+        """The ids both sides prefill for a context's ``ids``: after the chat template's ``header`` where the press
+        expects it; for a pooled press over ``rows`` (layers × KV heads), cut at the end until kvpress's kept
+        total ``rows·n − ⌊rows·n·ratio⌋`` is ``rows`` times its per-row count, which kvbench's budget (whole
+        tokens per row) can then equal (at ratio 0.5: an even ``n``)."""
+        out = (header if self.chat_header else []) + ids
+        while (
+            self.pooled
+            and len(out) > 1
+            and pooled_kept(len(out), rows, ratio) != rows * kvpress_kept_count(len(out), ratio)
+        ):
+            out = out[:-1]
+        return out
 
     def press_label(self) -> str:
         inner = f"{self.inner}({args(self.inner_kwargs)})" if self.inner else ""
@@ -171,6 +191,9 @@ METHODS: dict[str, Method] = {
         {"channels.ratio": 0.25, "channels.window": 64},
         channels=True,
     ),
+    # KVzip's replay passes: kvpress's chunk of 2,048 tokens repeats each ~1,000-token prompt in one pass.
+    "kvzip": Method("KVzipPress", "kvzip", chat_header=True, pooled=True),
+    "kvzip_plus": Method("KVzipPress", "kvzip_plus", {"kvzip_plus_normalization": True}, chat_header=True, pooled=True),
 }
 
 
@@ -202,11 +225,17 @@ def kvpress_kept_count(n: int, ratio: float) -> int:
     return max(1, int(n * (1 - ratio)))
 
 
-def run_peer(peer_python: str, methods: dict[str, Method], prompts: list[list[int]], ratio: float) -> Any:
+def pooled_kept(n: int, rows: int, ratio: float) -> int:
+    """What KVzipPress keeps in all of ``rows`` rows of ``n`` entries: it prunes ``⌊rows·n·ratio⌋``."""
+    return rows * n - int(rows * n * ratio)
+
+
+def run_peer(peer_python: str, methods: dict[str, Method], prompts: dict[str, list[list[int]]], ratio: float) -> Any:
+    """kvpress's kept masks and scores of each method on its prompts (``prompts[method]``)."""
     with tempfile.TemporaryDirectory() as tmp:
         request, out = Path(tmp) / "request.json", Path(tmp) / "peer.npz"
-        specs = {name: m.press_spec() for name, m in methods.items()}
-        request.write_text(json.dumps({"ratio": ratio, "prompts": prompts, "methods": specs}), encoding="utf-8")
+        specs = {name: {**m.press_spec(), "prompts": prompts[name]} for name, m in methods.items()}
+        request.write_text(json.dumps({"ratio": ratio, "methods": specs}), encoding="utf-8")
         subprocess.run([peer_python, str(PEER_SIDE), str(request), str(out)], check=True)
         with np.load(out) as got:
             return {key: got[key] for key in got.files}
@@ -315,34 +344,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "peers.md")
     a = parser.parse_args(argv)
     methods = {name: METHODS[name] for name in a.methods}
-    prompts = choose_prompts(a.data_dir, a.subset, a.prompts, a.min_tokens, a.max_tokens)
-    peer = run_peer(a.peer_python, methods, prompts, a.ratio)
+    contexts = choose_prompts(a.data_dir, a.subset, a.prompts, a.min_tokens, a.max_tokens)
     lm = load_model("smollm2", source="embedded", dtype="float32", device="cpu")
-    rows, notes = [], []
+    rows = lm.model.config.num_hidden_layers * lm.model.config.num_key_value_heads
+    header = template_ends(lm.tokenizer)[0]
+    prompts = {
+        name: [m.prompt(ids, header, rows, m.mean_ratio(a.ratio)) for ids in contexts] for name, m in methods.items()
+    }
+    peer = run_peer(a.peer_python, methods, prompts, a.ratio)
+    table_rows, notes = [], []
     for name, method in methods.items():
         agreement = Agreement()
-        for index, ids in enumerate(prompts):
+        for index, ids in enumerate(prompts[name]):
             if method.channels:
                 kept, scores = run_kvbench_channels(lm, method, ids)
             else:
                 budget = method.budget(len(ids), method.mean_ratio(a.ratio), a.budget)
                 kept, scores = run_kvbench(lm, method, ids, budget)
             compare(agreement, index, kept, peer[f"{name}/{index}/kept"], peer[f"{name}/{index}/scores"], scores, a.eps)
-        rows.append((name, method.press_label(), method.config_label(), agreement))
+        table_rows.append((name, method.press_label(), method.config_label(), agreement))
         notes += unexplained_rows(name, agreement)
         print(f"{name}: {agreement.identical}/{agreement.rows} rows identical", flush=True)
     import transformers
 
     versions = json.loads(str(peer["versions"]))
     setup = (
-        f"Measured on {len(prompts)} LongBench `{a.subset}` contexts of {', '.join(str(len(p)) for p in prompts)} "
+        f"Measured on {len(contexts)} LongBench `{a.subset}` contexts of {', '.join(str(len(p)) for p in contexts)} "
         f"tokens, SmolLM2-135M-Instruct (float32, CPU), `compression_ratio={a.ratio}`, kvbench's budget "
         f"{'kvpress kept count in tokens' if a.budget == 'count' else 'the fraction 1 - ratio'}: kvpress "
         f"{versions['kvpress']} (transformers {versions['transformers']}, torch {versions['torch']}) against "
         f"kvbench (transformers {transformers.__version__}, torch {torch.__version__})."
     )
     unexplained = ["Unexplained rows (positions only one side kept, with both sides' scores):", "", *notes]
-    section = "\n\n".join([setup, table(rows), *(["\n".join(unexplained)] if notes else [])])
+    section = "\n\n".join([setup, table(table_rows), *(["\n".join(unexplained)] if notes else [])])
     print(section)
     a.out.write_text(with_section(a.out.read_text(encoding="utf-8"), section), encoding="utf-8")
     return 0

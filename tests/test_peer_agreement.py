@@ -165,3 +165,16 @@ def test_kvbench_keeps_the_top_of_the_scores_it_records(policy, overrides):
         flat_kept = kept[layer].reshape(flat.shape)
         for r in range(flat.shape[0]):
             assert flat[r][flat_kept[r]].min() >= flat[r][~flat_kept[r]].max()
+
+
+def test_kvzip_prompts_start_with_the_chat_header_and_keep_a_whole_budget_per_row():
+    """KVzipPress skips the chat template's opening at the start of every prompt, so both sides get it; it prunes
+    ⌊rows·n·ratio⌋ over every row at once, which kvbench's whole tokens per row equal only at an even n (ratio
+    0.5, 90 rows): an odd prompt loses its last token. Other methods get the context as it is."""
+    kvzip, header, context = peer_agreement.METHODS["kvzip"], [7, 8, 9], list(range(100, 108))
+    assert kvzip.chat_header and peer_agreement.METHODS["kvzip_plus"].kwargs == {"kvzip_plus_normalization": True}
+    assert kvzip.prompt(context, header, 90, 0.5) == header + context[:-1]  # 11 ids, cut to 10
+    assert kvzip.prompt(context[:-1], header, 90, 0.5) == header + context[:-1]
+    assert peer_agreement.pooled_kept(11, 90, 0.5) == 495 != 90 * peer_agreement.kvpress_kept_count(11, 0.5)
+    assert peer_agreement.pooled_kept(10, 90, 0.5) == 450 == 90 * peer_agreement.kvpress_kept_count(10, 0.5)
+    assert peer_agreement.METHODS["snapkv"].prompt(context, header, 90, 0.5) == context

@@ -32,6 +32,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
+from kvbench.engine.replay import replay_statistics
 from kvbench.engine.visibility import KeyAccess, visibility
 from kvbench.policies.statistics import NOTHING, Collecting, Latest, Logged, Summed, attention_names, declared
 from kvbench.stages import Phase
@@ -39,7 +40,7 @@ from kvbench.stages import Phase
 if TYPE_CHECKING:
     from kvbench.engine.cache.cache import KVCache
     from kvbench.engine.cache.layer import CacheLayer
-    from kvbench.engine.step import Step
+    from kvbench.engine.step import Reconstruction, Step
 
 ATTN_NAME = "kvbench"
 # Arguments of transformers' attention interface that carry nothing kvbench must compute (bookkeeping the
@@ -168,6 +169,8 @@ def kvbench_attention(
     if not step.prepares:
         needs = needs - {s.name for s in declared(needs, Logged)}
     collecting = Collecting(needs, layer.policy.history) if needs else NOTHING
+    if step.replay is not None:
+        return _replay_pass(module, query, key, value, layer, step.replay, access), None
     if q == 1:
         select = _selector(layer, step)
         # SDPA only for one unmasked sequence: for several, one batched product per row (docs/perf/batch.md).
@@ -210,6 +213,28 @@ def _selector(layer: CacheLayer, step: Step) -> Selector | None:
     budgets = torch.tensor(step.attended, device=positions.device).repeat_interleave(heads)
     query_positions = layer.current.query_positions[:, 0]
     return lambda queries, keys, visible: sparsity.select(queries, keys, positions, visible, query_positions, budgets)
+
+
+def _replay_pass(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: CacheLayer,
+    span: Reconstruction,
+    access: KeyAccess,
+) -> torch.Tensor:
+    """A replay pass of the prompt (KVzip): the model's output as for any step, and, in a layer whose policy
+    replays, the reconstruction attention it records (``engine.replay``)."""
+    if query.shape[2] == 1:
+        output = decode_attention(query, key, value, access)[0]
+    elif access.softcap is not None:
+        output = attention_statistics(query, key, access, NOTHING, value).pop("output")
+    else:
+        output = _sdpa(module, query, key, value, access)
+    if layer.policy.replay is not None:
+        layer.record(replay_statistics(query, key, value, layer, span, access))
+    return output
 
 
 def _with_queries(

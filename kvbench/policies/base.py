@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvbench.policies.channels import KeyChannels
-from kvbench.policies.inputs import WEIGHTS, Queries
+from kvbench.policies.inputs import WEIGHTS, Queries, Replay
 from kvbench.policies.merge import CosineMerge, Merge
 from kvbench.policies.running import RowSum
 from kvbench.policies.sparse import Sparsity
@@ -56,6 +56,8 @@ class Score(ABC):
     rope: bool = False
     # True: the score reads every held entry's query, so the prompt must come in one step (``stride`` is refused).
     whole_prompt: bool = False
+    # Replay passes after the prompt, whose attention the score reads (``policies.inputs.Replay``), or None.
+    replay: Replay | None = None
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -88,6 +90,7 @@ DECLARATIONS = (
     "shares_heads",
     "rope",
     "whole_prompt",
+    "replay",
 )
 
 
@@ -301,6 +304,11 @@ class Policy:
     def whole_prompt(self) -> bool:
         """Whether the score needs the prompt fed in one step (never for a cache that never evicts)."""
         return self.score.whole_prompt and self.evicts
+
+    @property
+    def replay(self) -> Replay | None:
+        """The replay passes the score reads after the prompt (none for a cache that never evicts)."""
+        return self.score.replay if self.evicts else None
 
     @property
     def row_sums(self) -> tuple[RowSum, ...]:

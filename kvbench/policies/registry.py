@@ -181,6 +181,11 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
             )
         return never_evicting(name, quantize, positions, sliding_layers=sliding, channels=channels, sparsity=sparsity)
     score = build_score(score_spec)
+    if channels is not None and score.replay is not None:
+        raise ValueError(
+            "channels chooses key channels from the prompt's last queries, and the score's replay passes feed "
+            "queries after them: drop policy.channels for a replaying score"
+        )
     scope = _part(SCOPES, cfg.get("scope", "all"))
     allocation_spec = _options(cfg.get("allocation") or "uniform")
     allocation = _part(ALLOCATIONS, allocation_spec)

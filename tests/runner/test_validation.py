@@ -302,6 +302,14 @@ CASES = [
         "policy=h2o: a sparsity part chooses the keys a full cache's queries attend, and the budget counts them; it "
         "cannot combine with an evicting score: use score=none",
     ),
+    # KVzip replays the prompt once, after it is fed: nothing to replay in the decode phase.
+    (["policy=kvzip", "stage=decode"], "policy=kvzip cannot run in stage=decode; use stage in ['prefill']"),
+    (["policy=kvzip_plus", "stage=both"], "policy=kvzip_plus cannot run in stage=both; use stage in ['prefill']"),
+    (["policy=kvzip", "policy.score.chunk=0"], "replay chunk=0 must be >= 1 token"),
+    (
+        ["policy=kvzip", "policy.channels={kind:think,ratio:0.5}"],
+        "policy=kvzip: channels chooses key channels from the prompt's last queries",
+    ),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 

@@ -196,7 +196,10 @@ class KVCache(Cache):
         return self._rows[lanes]
 
     def finish(self, step: Step) -> None:
-        """Evict every row over its budget and trim sliding layers to their window (``Evictor``)."""
+        """Evict every row over its budget and trim sliding layers to their window (``Evictor``); a replay pass's
+        own entries leave first."""
+        if step.replay is not None and self.feeding is not None:
+            self.allocated.drop(step.lanes.start, step.lanes.stop, self.feeding.slots)
         self.evictor.evict(self.allocated, self.stores(), step)
         self.inputs.queries[:] = [None] * len(self.inputs.queries)  # read by this step's eviction only
         self.step, self.model_positions, self.feeding = None, None, None

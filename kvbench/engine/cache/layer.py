@@ -66,6 +66,8 @@ class CacheLayer(CacheLayerMixin):
         self.feeding: Feeding | None = None
         # Under ``policy.channels``, until the context is in: the squares of its last queries [heads, <= window, D].
         self.window_queries: torch.Tensor | None = None
+        # A replay pass's queries' hidden-state norms [q], where its score reads them (``engine.replay``).
+        self.hidden_norm: torch.Tensor | None = None
 
     def attach(self, store: KVStore, entries: Entries) -> None:
         """The layer's K/V buffers and the cache's bookkeeping, allocated once their shapes are known."""
@@ -186,6 +188,8 @@ class CacheLayer(CacheLayerMixin):
                 column = e.table[layer, rr, : value.shape[-1], e.columns.index(name)]
                 if STATISTICS[name].fold == "replace":
                     column.copy_(value)
+                elif STATISTICS[name].fold == "max":
+                    torch.maximum(column, value, out=column)
                 else:
                     column += value
         if e.log is not None and "qlog" in stats:
