@@ -13,6 +13,8 @@ written to ``--out`` and printed, counts the rows whose kept sets are identical 
 (scripts/peer_compare.py).
 
 A method is one entry of ``METHODS``: the press (and its arguments) and the kvbench config (and its overrides).
+A composed press (kvpress's ``ComposedPress``: a token press, then ThinK on the keys it kept) is compared twice, its
+kept tokens and its kept key channels, each a row of the table.
 """
 
 from __future__ import annotations
@@ -68,8 +70,22 @@ class Method:
     chat_header: bool = False
     # The press ranks every layer's entries at once (KVzip): its kept total must be a whole budget per row.
     pooled: bool = False
+    # kvpress's ComposedPress: these presses in order, each on what the one before kept (``press`` unused). Each
+    # part takes the compression ratio as it would alone; the kept sets compared are those of every part's kind.
+    parts: tuple[Method, ...] = ()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """What the two sides' kept sets are: ``tokens`` [layers, heads, n] and/or ``channels`` [layers, heads, D]."""
+        if self.parts:
+            return tuple(kind for part in self.parts for kind in part.kinds)
+        return ("channels",) if self.channels else ("tokens",)
 
     def press_spec(self) -> dict[str, Any]:
+        if self.parts:
+            presses = [part.press_spec() for part in self.parts]
+            eager = any(part.eager for part in self.parts)
+            return {"press": "ComposedPress", "presses": presses, "eager": eager, "ratio": False, "channels": False}
         inner = {"press": self.inner, "kwargs": self.inner_kwargs} if self.inner else None
         return {
             "press": self.press,
@@ -101,6 +117,8 @@ class Method:
         return out
 
     def press_label(self) -> str:
+        if self.parts:
+            return f"ComposedPress([{', '.join(part.press_label() for part in self.parts)}])"
         inner = f"{self.inner}({args(self.inner_kwargs)})" if self.inner else ""
         return f"{self.press}({', '.join(a for a in (inner, args(self.kwargs)) if a)})"
 
@@ -194,6 +212,16 @@ METHODS: dict[str, Method] = {
     # KVzip's replay passes: kvpress's chunk of 2,048 tokens repeats each ~1,000-token prompt in one pass.
     "kvzip": Method("KVzipPress", "kvzip", chat_header=True, pooled=True),
     "kvzip_plus": Method("KVzipPress", "kvzip_plus", {"kvzip_plus_normalization": True}, chat_header=True, pooled=True),
+    # SnapKV's kept tokens, then ThinK's channels of the keys SnapKV kept: kvpress's defaults (ThinK's ratio 0.5).
+    "think_snapkv": Method(
+        "ComposedPress",
+        "think_snapkv",
+        overrides={"score.window": 64},
+        parts=(
+            Method("SnapKVPress", "snapkv", SNAPKV),
+            Method("ThinKPress", "think", {"key_channel_compression_ratio": 0.5, "window_size": 32}, channels=True),
+        ),
+    ),
 }
 
 
@@ -309,6 +337,19 @@ class ChannelProbe:
         KeyChannels.scores, KeyChannels.keep = self.saved  # type: ignore[method-assign]
 
 
+def run_kvbench_kinds(
+    lm: LoadedModel, method: Method, ids: list[int], budget: float | int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """kvbench's kept sets and scores of each of the method's kinds (``Method.kinds``), from one run."""
+    if method.kinds == ("channels",):
+        return {"channels": run_kvbench_channels(lm, method, ids)}
+    with ChannelProbe() as probe:  # records nothing where the policy prunes no channel
+        got = {"tokens": run_kvbench(lm, method, ids, budget)}
+    if probe.kept:
+        got["channels"] = np.stack(probe.kept), np.stack(probe.scores)
+    return got
+
+
 def run_kvbench_channels(lm: LoadedModel, method: Method, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """kvbench's kept channels and channel scores [layers, heads, D] after prefilling ``ids`` (every token kept)."""
     settings = EngineSettings(policy=build_policy(policy_config(method)), budget=1.0, stage="prefill")
@@ -354,17 +395,19 @@ def main(argv: list[str] | None = None) -> int:
     peer = run_peer(a.peer_python, methods, prompts, a.ratio)
     table_rows, notes = [], []
     for name, method in methods.items():
-        agreement = Agreement()
+        agreements = {kind: Agreement() for kind in method.kinds}
         for index, ids in enumerate(prompts[name]):
-            if method.channels:
-                kept, scores = run_kvbench_channels(lm, method, ids)
-            else:
-                budget = method.budget(len(ids), method.mean_ratio(a.ratio), a.budget)
-                kept, scores = run_kvbench(lm, method, ids, budget)
-            compare(agreement, index, kept, peer[f"{name}/{index}/kept"], peer[f"{name}/{index}/scores"], scores, a.eps)
-        table_rows.append((name, method.press_label(), method.config_label(), agreement))
-        notes += unexplained_rows(name, agreement)
-        print(f"{name}: {agreement.identical}/{agreement.rows} rows identical", flush=True)
+            budget = method.budget(len(ids), method.mean_ratio(a.ratio), a.budget)
+            ours = run_kvbench_kinds(lm, method, ids, budget)
+            for kind, agreement in agreements.items():
+                kept, scores = ours[kind]
+                at = f"{name}/{index}/{kind}"
+                compare(agreement, index, kept, peer[f"{at}/kept"], peer[f"{at}/scores"], scores, a.eps)
+        for kind, agreement in agreements.items():
+            label = f"{name} ({kind})" if len(agreements) > 1 else name
+            table_rows.append((label, method.press_label(), method.config_label(), agreement))
+            notes += unexplained_rows(label, agreement)
+            print(f"{label}: {agreement.identical}/{agreement.rows} rows identical", flush=True)
     import transformers
 
     versions = json.loads(str(peer["versions"]))

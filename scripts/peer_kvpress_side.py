@@ -5,12 +5,14 @@ that cannot share kvbench's environment; docs/peers.md says how to build it). It
 
 REQUEST holds the compression ratio and, per method, the press to build and the prompts' token ids
 (``{"press": "SnapKVPress", "kwargs": {...}, "inner": {...} | null, "eager": false, "ratio": true, "prompts":
-[[...], ...]}``; ``ratio`` false: the press decides its own kept count and is given no compression ratio). For
-every method and prompt
-the embedded SmolLM2 (its GGUF, loaded by transformers) prefills the prompt under the press, and OUT gets, per
-decoder layer and KV head, the mask of the positions the press kept (``<method>/<prompt>/kept``, bool [layers,
-heads, n]) and the scores it ranked them by (``<method>/<prompt>/scores``, float32, NaN where it scored nothing);
-a channel press (``"channels": true``, ThinK) gives the kept key channels and their scores, [layers, heads, D].
+[[...], ...]}``; ``ratio`` false: the press decides its own kept count and is given no compression ratio;
+``{"press": "ComposedPress", "presses": [spec, ...]}``: kvpress's ComposedPress of those presses, each given the
+ratio as it would be alone). For every method and prompt the embedded SmolLM2 (its GGUF, loaded by transformers)
+prefills the prompt under the press, and OUT gets, per decoder layer and KV head, the mask of the positions the
+press kept (``<method>/<prompt>/tokens/kept``, bool [layers, heads, n]) and the scores it ranked them by
+(``<method>/<prompt>/tokens/scores``, float32, NaN where it scored nothing); a channel press (``"channels": true``,
+ThinK) gives the kept key channels and their scores, [layers, heads, D], as ``<method>/<prompt>/channels/...``. A
+composed press gives each part's.
 
 The kept set is observed, not recomputed: a press that drops entries returns a gathered copy of the keys, and each
 kept key is found among the keys it was given; a masking press (AdaKV) keeps every key and names the masked ones
@@ -57,6 +59,8 @@ class GGUFTokenizer:
 
 
 def build_press(spec: dict[str, Any]) -> Any:
+    if spec.get("presses"):
+        return kvpress.ComposedPress([build_press(part) for part in spec["presses"]])
     kwargs = dict(spec.get("kwargs") or {})
     if spec.get("inner"):
         kwargs["press"] = build_press(spec["inner"])
@@ -165,6 +169,32 @@ def per_layer(press: Any) -> bool:
     return hasattr(press, "compression_ratios")
 
 
+def set_ratio(press: Any, spec: dict[str, Any], ratio: float) -> None:
+    """The compression ratio on the press, or on each part of a composed one, where its spec takes one: a per-layer
+    press takes its ratios as arguments (their mean is read-only); a press that sets its own kept count (SimLayerKV)
+    or prunes channels (ThinK) refuses one."""
+    if spec.get("presses"):
+        for part, part_spec in zip(press.presses, spec["presses"]):
+            set_ratio(part, part_spec, ratio)
+    elif spec.get("ratio", True) and not per_layer(press):
+        press.compression_ratio = ratio
+
+
+def recorders(press: Any, spec: dict[str, Any], model: Any, n: int) -> dict[str, Any]:
+    """The recorders of the press's kept sets by kind (``tokens``, ``channels``), a composed press's parts each."""
+    if spec.get("presses"):
+        out: dict[str, Any] = {}
+        for part, part_spec in zip(press.presses, spec["presses"]):
+            out.update(recorders(part, part_spec, model, n))
+        return out
+    config = model.config
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    if spec.get("channels"):
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return {"channels": ChannelRecorder(press, layers, heads, dim)}
+    return {"tokens": Recorder(press, layers, heads, n)}
+
+
 def set_attention(model: Any, eager: bool) -> None:
     """ObservedAttentionPress reads the attention weights, which only eager attention returns; AdaKV refuses it."""
     model.set_attn_implementation("eager" if eager else "sdpa")
@@ -176,29 +206,20 @@ def main(request_path: str, out_path: str) -> None:
     request = json.loads(open(request_path, encoding="utf-8").read())
     model = load_model()
     kvzip_press.AutoTokenizer = GGUFTokenizer  # type: ignore[misc]
-    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     arrays: dict[str, np.ndarray] = {}
     for name, spec in request["methods"].items():
         set_attention(model, bool(spec.get("eager")))
         for index, ids in enumerate(spec["prompts"]):
             press = build_press(spec)
-            # a per-layer press takes its ratios as arguments (their mean is read-only); a press that sets its own
-            # kept count (SimLayerKV) refuses a ratio
-            if spec.get("ratio", True) and not per_layer(press):
-                press.compression_ratio = request["ratio"]
-            if spec.get("channels"):
-                dim = (
-                    getattr(model.config, "head_dim", None)
-                    or model.config.hidden_size // model.config.num_attention_heads
-                )
-                recorder: Any = ChannelRecorder(press, layers, heads, dim)
-            else:
-                recorder = Recorder(press, layers, heads, len(ids))
+            set_ratio(press, spec, request["ratio"])
+            recorded = recorders(press, spec, model, len(ids))
             with torch.inference_mode(), press(model):
                 model.model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
-            arrays[f"{name}/{index}/kept"] = recorder.kept
-            arrays[f"{name}/{index}/scores"] = recorder.scores
-            print(f"kvpress {name} prompt {index}: kept {recorder.kept.sum(axis=-1).mean():.1f} of {len(ids)}")
+            for kind, recorder in recorded.items():
+                arrays[f"{name}/{index}/{kind}/kept"] = recorder.kept
+                arrays[f"{name}/{index}/{kind}/scores"] = recorder.scores
+                mean = recorder.kept.sum(axis=-1).mean()
+                print(f"kvpress {name} prompt {index}: kept {mean:.1f} {kind} of {recorder.kept.shape[-1]}")
     versions = {"kvpress": kvpress_version(), "transformers": transformers.__version__, "torch": torch.__version__}
     arrays["versions"] = np.array(json.dumps(versions))
     np.savez_compressed(out_path, **arrays)

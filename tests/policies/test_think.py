@@ -1,6 +1,8 @@
 """ThinK's key-channel pruning (policy.channels): the channels each row keeps against NumPy from the paper's rule on
 the model's own queries and keys, the pruned attention against the family's eager attention with those channels
-zeroed (tokens masked too where a token policy evicts), and the resident bytes against a hand count."""
+zeroed (tokens masked too where a token policy evicts; a question fed after the context too), decode-time evictions
+against NumPy's KeyDiff and K-norm over the keys as stored (narrowed), and the resident bytes against a hand
+count."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers as tf
+from conftest import tiny_policy_cfg
 from engine_run import generate
 from family_models import eager_replay
 
@@ -150,6 +154,35 @@ def test_pruned_attention_equals_eager_attention_with_the_pruned_channels_zeroed
     torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4)
 
 
+def test_a_question_fed_after_the_context_meets_pruned_keys_its_own_too(tiny, prompt, monkeypatch):
+    """The path of task.ask=each (a question as ``suffix_ids``, fed once the context is compressed): the family's
+    eager attention over context, question and decode, each forward after the context's with the pruned channels
+    zeroed in every key (tests/engine/test_shared_context.py holds the shared run to this one)."""
+    question = [5, 17, 33, 2]
+    with recorded_channels(monkeypatch) as pruned:
+        g = generate(
+            tiny.model,
+            None,
+            prompt,
+            build_policy(think(0.5, 8)),
+            1.0,
+            "prefill",
+            DecodeSettings(max_new_tokens=NEW),
+            suffix_ids=question,
+            return_logits=True,
+        )
+    sequence = prompt + question + g.tokens
+    steps = [(0, PROMPT), (PROMPT, PROMPT + len(question))]
+    steps += [(s, s + 1) for s in range(PROMPT + len(question), len(sequence) - 1)]
+    cache, logits = tf.DynamicCache(config=tiny.model.config), []
+    with torch.inference_mode(), eager(tiny.model), family_eager(tiny.model, zeroing(pruned[0], PROMPT)):
+        for start, end in steps:
+            out = tiny.model(input_ids=torch.tensor([sequence[start:end]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits.append(out.logits[0, -1].float())
+    torch.testing.assert_close(g.logits, torch.stack(logits[1:]), rtol=1e-4, atol=1e-4)
+
+
 def test_the_zeroed_reference_has_teeth(tiny, prompt, monkeypatch):
     """Without zeroing the pruned channels the family's attention gives other logits than a pruned run."""
     with recorded_channels(monkeypatch):
@@ -181,3 +214,55 @@ def test_resident_bytes_are_the_hand_count_of_what_each_row_holds(tiny, prompt, 
     per_entry = (kept + dim) * 4 if quantize == "none" else (kept + dim) * 1 + 2 * 4
     expected = layers * heads * (entries * per_entry + kept * 2)
     assert g.measures.kv_resident_bytes == expected
+
+
+def keydiff_rule(keys: np.ndarray) -> np.ndarray:
+    """KeyDiff's score of each key [n, d]: minus its cosine similarity to the mean of the unit keys."""
+    unit = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
+    anchor = unit.mean(axis=0)
+    return -(unit @ anchor) / np.linalg.norm(anchor)
+
+
+def knorm_rule(keys: np.ndarray) -> np.ndarray:
+    """K-norm's score: minus the key's L2 norm (the lowest norms kept)."""
+    return -np.linalg.norm(keys, axis=-1)
+
+
+def top(scores: np.ndarray, positions: np.ndarray, budget: int) -> set[int]:
+    return set(positions[np.argsort(-scores, kind="stable")[:budget]].tolist())
+
+
+@pytest.mark.parametrize("name, rule", [("keydiff", keydiff_rule), ("knorm", knorm_rule)])
+def test_decode_eviction_ranks_the_keys_as_stored_narrowed(tiny, prompt, monkeypatch, name, rule):
+    """stage=both: the prompt is evicted to the budget before its channels are chosen (the rule over whole keys);
+    each decode step after evicts by the rule over the keys as the cache stores them, the kept channels alone
+    (KeyDiff's running sum of unit keys summed again over them, K-norm's norms taken again). Reference: NumPy's
+    rule on the family's own keys (the eager replay of the run), narrowed to the recorded channels."""
+    budget, new = 9, 10
+    cfg = tiny_policy_cfg(name, channels={"kind": "think", "ratio": 0.5, "window": 8})
+    with recorded_channels(monkeypatch) as pruned:
+        g = generate(
+            tiny.model, None, prompt, build_policy(cfg), budget, "both", DecodeSettings(max_new_tokens=new), trace=True
+        )
+    keys: dict[int, torch.Tensor] = {}
+
+    def spy(eager, attn, query, key, value, mask, **kw):
+        keys[attn.layer_idx] = key[0].clone()  # the last forward's: every position fed, whole channels
+        return eager(attn, query, key, value, mask, **kw)
+
+    with eager(tiny.model), family_eager(tiny.model, zeroing(pruned[0], PROMPT)), family_eager(tiny.model, spy):
+        eager_replay(tiny.model, prompt, g.tokens, g.trace, None)
+    assert g.trace is not None and len(g.trace) == new
+    whole_keys_differ = 0
+    for layer, kept_channels in enumerate(pruned[0]):
+        k = keys[layer].double().numpy()
+        for head, channels in enumerate(kept_channels.numpy()):
+            held = np.arange(PROMPT)
+            assert set(g.trace[0][layer][head].tolist()) == top(rule(k[head, held]), held, budget)
+            for step in range(1, new):
+                held = np.array(sorted({*g.trace[step - 1][layer][head].tolist(), PROMPT + step - 1}))
+                stored = k[head][held][:, channels]
+                got = set(g.trace[step][layer][head].tolist())
+                assert got == top(rule(stored), held, budget), f"layer {layer} head {head} step {step}"
+                whole_keys_differ += got != top(rule(k[head, held]), held, budget)
+    assert whole_keys_differ  # the rule over whole keys would have evicted otherwise: the test tells them apart
