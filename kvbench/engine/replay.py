@@ -106,17 +106,27 @@ def replay_statistics(
     if plus and layer.hidden_norm is None:
         raise RuntimeError("a KVzip+ pass reads its queries' hidden states: run it inside engine.replay.hidden_norms")
     weight = _output_norms(layer, value[0, :, seen[scored]]) if plus else None
-    best = torch.zeros(hkv, scored.shape[0], device=key.device)
-    for lo in range(0, q, QUERY_BLOCK):
+    count = scored.shape[0]
+    # The chunk's columns are one run among those seen once the prompt is packed: a view, not a gather.
+    columns: slice | torch.Tensor = scored
+    if count and int(scored[-1]) - int(scored[0]) + 1 == count:
+        columns = slice(int(scored[0]), int(scored[0]) + count)
+    best = torch.zeros(hkv, count, device=key.device)
+    for lo in range(0, q if count else 0, QUERY_BLOCK):
         hi = min(q, lo + QUERY_BLOCK)
         logits = softcapped(torch.matmul(queries[:, :, lo:hi], keys.transpose(1, 2).unsqueeze(1)), access.softcap)
         later = torch.arange(lo, hi, device=key.device).unsqueeze(1) < torch.arange(q, device=key.device)
         logits[..., own:].masked_fill_(later, float("-inf"))
-        probs = logits.softmax(dim=-1)[..., scored]  # [hkv, group, rows, chunk]
+        # A probability is exp(logit - logsumexp): the largest over queries is taken on the logits, and only the
+        # chunk's [hkv, group, chunk] maxima are exponentiated (a softmax would exponentiate every logit).
+        normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
         if weight is not None:
             assert layer.hidden_norm is not None, "KVzip+ reads the queries' hidden-state norms"
-            probs = probs / layer.hidden_norm[lo:hi].float().view(1, 1, -1, 1) * weight.unsqueeze(2)
-        best = torch.maximum(best, probs.amax(dim=(1, 2)))
+            normaliser += layer.hidden_norm[lo:hi].float().log().view(1, 1, -1, 1)
+        top = logits[..., columns].sub_(normaliser).amax(dim=2).exp_()  # [hkv, group, chunk]
+        if weight is not None:
+            top *= weight
+        best = torch.maximum(best, top.amax(dim=1))
     out = torch.zeros(hkv, n, device=key.device)
     out[:, seen[scored]] = best
     return {"replay_max": out}
