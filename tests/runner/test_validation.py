@@ -268,6 +268,9 @@ CASES = [
     (["policy=simlayerkv", "policy.score.lazy_threshold=1.5"], "lazy_threshold=1.5 must be in (0, 1]"),
     (["policy=simlayerkv", "policy.score.n_recent=-8"], "n_recent=-8 must be >= n_last=1"),
     (["policy=simlayerkv", "policy.score.n_initial=-1"], "n_initial=-1 must be >= 0 sink tokens"),
+    (["policy=duoattention", "policy.score.head_ratio=1.5"], "head_ratio=1.5 must be in [0, 1]"),
+    (["policy=duoattention", "policy.score.head_ratio=-0.1"], "head_ratio=-0.1 must be in [0, 1]"),
+    (["policy=duoattention", "stage=both"], "policy=duoattention cannot run in stage=both; use stage in ['prefill']"),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 
