@@ -268,6 +268,22 @@ CASES = [
     (["policy=simlayerkv", "policy.score.lazy_threshold=1.5"], "lazy_threshold=1.5 must be in (0, 1]"),
     (["policy=simlayerkv", "policy.score.n_recent=-8"], "n_recent=-8 must be >= n_last=1"),
     (["policy=simlayerkv", "policy.score.n_initial=-1"], "n_initial=-1 must be >= 0 sink tokens"),
+    (
+        ["policy=profiled/headkv"],
+        "allocation scores 'results/profile_example/tiny-llama/retrieval/retrieval_heads.json' is not a file",
+    ),
+    (
+        ["policy=profiled/headkv", f"policy.allocation.scores={REFUSED / 'retrieval_heads_other_model.json'}"],
+        "were measured on another-model (3 layers of 1 KV heads)",
+    ),
+    (
+        [
+            "policy=profiled/headkv",
+            f"policy.allocation.scores={REFUSED / 'retrieval_heads_other_model.json'}",
+            "policy.allocation.pool=1.5",
+        ],
+        "pool=1.5 must be in [0, 1]",
+    ),
     (["policy=duoattention", "policy.score.head_ratio=1.5"], "head_ratio=1.5 must be in [0, 1]"),
     (["policy=duoattention", "policy.score.head_ratio=-0.1"], "head_ratio=-0.1 must be in [0, 1]"),
     (["policy=duoattention", "stage=both"], "policy=duoattention cannot run in stage=both; use stage in ['prefill']"),
