@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import CONFIG_DIR, tiny_policy_cfg
-from engine_run import generate
+from engine_run import generate, generate_batch
 from family_models import FAMILIES, build, eager_replay, family_config, family_greedy
 from omegaconf import OmegaConf
 
-from kvbench.engine.engine import DecodeSettings
+from kvbench.engine.engine import DecodeSettings, Request
 from kvbench.families import kv_heads, layer_windows, policy_problem
 from kvbench.policies.registry import build_policy
 from kvbench.policies.state import TokenState
@@ -106,6 +106,25 @@ def test_tiny_model_rows_keep_their_budgets_nested_in_snapkvs(tiny, random_ids, 
     head_dim = config.hidden_size // config.num_attention_heads
     held = int(expected.sum()) + layers * heads * (new - 1)  # the decoded tokens fed after the prompt stay
     assert g.measures.kv_resident_bytes == held * head_dim * 2 * 4  # keys and values, float32
+
+
+def test_batched_equals_alone(tiny, tmp_path):
+    """Four sequences of other lengths, prompts fed in chunks of 8 and decoded three at a time: each gives the
+    tokens and holds the resident bytes it does alone, and something was evicted."""
+    config = tiny.model.config
+    s = np.random.default_rng(6).uniform(size=(config.num_hidden_layers, config.num_key_value_heads))
+    p = policy(scores_file(tmp_path / "s.json", s), window=4)
+    g = torch.Generator().manual_seed(0)
+    reqs = [
+        Request(torch.randint(0, 250, (n,), generator=g).tolist(), settings=DecodeSettings(max_new_tokens=m))
+        for n, m in ((40, 9), (25, 5), (33, 12), (29, 7))
+    ]
+    for stage in ("prefill", "both"):
+        batched = generate_batch(tiny.model, None, reqs, p, 0.4, stage, batch_size=3, stride=8)
+        for r, b in zip(reqs, batched):
+            alone = generate(tiny.model, None, r.input_ids, p, 0.4, stage, r.settings, stride=8)
+            assert b.tokens == alone.tokens and b.measures.kv_resident_bytes == alone.measures.kv_resident_bytes
+            assert alone.measures.budget_achieved < 0.99
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
