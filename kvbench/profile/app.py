@@ -26,7 +26,7 @@ from kvbench.config.schema import ModelConfig, PolicyConfig
 from kvbench.config.validate import check_model, check_task, plain
 from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.families import layer_windows, policy_problem
-from kvbench.models import load_config, load_model
+from kvbench.models import load_config, load_model, load_tokenizer
 from kvbench.policies.base import Policy
 from kvbench.policies.full import never_evicting
 from kvbench.policies.parts import SCORES
@@ -152,14 +152,14 @@ def profile_heads(cfg: dict[str, Any], out: Path) -> Path:
     check_model(model_cfg)
     check_task(dict(cfg["task"]))
     task = build_task(dict(cfg["task"]))
-    if not all(example.references for example in task.examples()):
-        raise ConfigError(f"task={cfg['task']['name']} has examples without a reference answer: no needle to copy")
-    lm = load_model(model_cfg.pop("name"), **model_cfg)
+    tokenizer, _ = load_tokenizer(**model_cfg)
     try:
-        scores, count = retrieval_heads.measure(lm.model, lm.tokenizer, task)
+        examples = retrieval_heads.needles(task, tokenizer)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return retrieval_heads.write(scores, lm.name, str(cfg["task"]["name"]), count, out)
+    lm = load_model(model_cfg.pop("name"), **model_cfg)
+    scores = retrieval_heads.measure(lm.model, examples)
+    return retrieval_heads.write(scores, lm.name, str(cfg["task"]["name"]), len(examples), out)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="profile")

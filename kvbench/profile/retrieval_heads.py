@@ -66,25 +66,28 @@ def copy_scores(attentions: list[torch.Tensor], prompt: list[int], answer: list[
     return np.stack(out)
 
 
-def measure(model: Any, tokenizer: Any, task: Any) -> tuple[np.ndarray, int]:
-    """Mean scores over the task's examples, [layers, KV heads], and how many examples were read. An example
-    whose answer does not occur in its prompt (under this tokenizer) is refused: it has no needle to copy."""
-    config = model.config.get_text_config()
-    total, count = None, 0
+def needles(task: Any, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+    """Each example's prompt (context and suffix) and answer, in token ids, read with the tokenizer alone. An
+    example whose answer does not occur in its prompt as the same tokens is refused: it has no needle to copy."""
+    out = []
     for example in task.examples():
         rendered = task.render(example, tokenizer)
         prompt = list(rendered.input_ids) + list(rendered.suffix_ids)
-        answer = encode(tokenizer, example.references[0])
-        if not needle_positions(prompt, answer).any():
+        answer = encode(tokenizer, example.references[0]) if example.references else []
+        if not answer or not needle_positions(prompt, answer).any():
             raise ValueError(
-                f"example {example.id}: its answer {example.references[0]!r} does not occur in its prompt as the same "
+                f"example {example.id}: its answer {example.references[:1]} does not occur in its prompt as the same "
                 "tokens, so no head can copy it; use a needle task (task=retrieval)"
             )
-        scores = copy_scores(answer_attention(model, prompt, answer), prompt, answer, config.num_key_value_heads)
-        total = scores if total is None else total + scores
-        count += 1
-    assert total is not None, "a task has at least one example"
-    return total / count, count
+        out.append((prompt, answer))
+    return out
+
+
+def measure(model: Any, examples: list[tuple[list[int], list[int]]]) -> np.ndarray:
+    """Mean scores over the examples (``needles``), [layers, KV heads]."""
+    kv_heads = model.config.get_text_config().num_key_value_heads
+    scores = [copy_scores(answer_attention(model, p, a), p, a, kv_heads) for p, a in examples]
+    return np.mean(scores, axis=0)
 
 
 def write(scores: np.ndarray, model_name: str, task_name: str, examples: int, out: Path) -> Path:

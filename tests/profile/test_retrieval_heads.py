@@ -81,6 +81,15 @@ def test_saved_scores_are_the_copies_of_one_eager_forward(tmp_path, one_thread):
     assert np.ptp(expected) > 0  # some heads copy, some do not: the comparison can fail
 
 
+def test_a_task_whose_answers_are_not_in_its_prompts_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"id": "a", "prompt": "The sky is blue.", "reference": "91827"}) + "\n")
+    monkeypatch.setattr(app, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    cfg = profile_config("mode=retrieval_heads", "model=tiny-llama", "task=jsonl", f"task.path={data}")
+    with pytest.raises(ConfigError, match=r"example a: its answer \['91827'\] does not occur in its prompt"):
+        app.profile_heads(cfg, tmp_path)
+
+
 def test_a_bad_mode_is_refused():
     with pytest.raises(ConfigError, match="mode='bogus' must be one of"):
         app.check_mode("bogus")
