@@ -162,6 +162,14 @@ METHODS: dict[str, Method] = {
     "duoattention": Method(
         "DuoAttentionPress", "duoattention", {"head_compression_ratio": 0.5, "on_the_fly_scoring": True}, adaptive=True
     ),
+    # Three quarters of the heads streaming: the ranking's lower end agrees too.
+    "duoattention_75": Method(
+        "DuoAttentionPress",
+        "duoattention",
+        {"head_compression_ratio": 0.75, "on_the_fly_scoring": True},
+        {"score.head_ratio": 0.75},
+        adaptive=True,
+    ),
 }
 
 
