@@ -135,6 +135,9 @@ def policy_table(configs: Path) -> str:
     ]
     for d in described("policy", configs):
         parts = [part(d.values.get(name, defaults[name])) for name in ("score", "scope", "allocation")]
+        channels = d.values.get("channels", defaults["channels"])
+        if channels:  # the budget's other dimension: how much of each kept key is kept (policy.channels)
+            parts[2] += f"; key channels {part(channels)}"
         paper, press = cell(d.meta.get("paper", "")), d.meta.get("kvpress", "")
         press = f"`{press}`" if press else ""
         runs = stages(defaults | d.values, d.choice, configs)

@@ -56,13 +56,27 @@ METHODS = [
     "threshold",
     "cam",
 ]
+# The methods that decide per layer, per head, per channel or by passes of their own (docs/perf/methods_ii.md).
+METHODS_II = [
+    "snapkv",
+    "global_snapkv",
+    "layers_snapkv",
+    "simlayerkv",
+    "kvzip",
+    "kvzip_plus",
+    "think",
+    "think_snapkv",
+    "quest",
+]
 PARTS = ("decode1", "decode8", "prefill", "interval")
 BUDGET = 0.25
 
 
 def stage_of(name: str) -> str:
-    """``both`` where the method evicts in decode, else ``prefill`` (the compressed prompt, then decoding)."""
-    return "prefill" if "decode" in policy(name).unsupported_stages else "both"
+    """``both`` where the method evicts in decode, else ``prefill`` (the compressed prompt, then decoding), and
+    ``decode`` for a method that only runs there (Quest attends its budget of a full prompt's keys)."""
+    refused = policy(name).unsupported_stages
+    return next(stage for stage in ("both", "prefill", "decode") if stage not in refused)
 
 
 def with_interval(name: str, interval: int) -> Any:
@@ -72,7 +86,8 @@ def with_interval(name: str, interval: int) -> Any:
 
 def decode_batch1(lm: Any, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
     ctx = prompt_ids(lm, args.context)
-    runs = {f"window ({stage})": ("window", BUDGET, stage, ctx) for stage in ("both", "prefill")}
+    stages = ("both", "prefill", "decode")
+    runs = {f"window ({stage})": ("window", BUDGET, stage, ctx) for stage in stages if stage in map(stage_of, names)}
     runs |= {name: (name, BUDGET, stage_of(name), ctx) for name in names}
     ms = interleaved_step_ms(lm, runs, args)
     return {
@@ -83,7 +98,9 @@ def decode_batch1(lm: Any, names: list[str], args: argparse.Namespace) -> dict[s
 
 def decode_batched(lm: Any, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
     reqs = prompts(lm.model.config.vocab_size, args.batch_context, args.batch, args.new_tokens)
-    stages = {f"window ({s})": ("window", s) for s in ("both", "prefill")} | {n: (n, stage_of(n)) for n in names}
+    used = {stage_of(n) for n in names}
+    stages = {f"window ({s})": ("window", s) for s in ("both", "prefill", "decode") if s in used}
+    stages |= {n: (n, stage_of(n)) for n in names}
     runs = {label: (lambda n=n, s=s: kvbench_step(lm.model, reqs, n, BUDGET, s)) for label, (n, s) in stages.items()}
     seconds = interleaved(runs, args.repeats)
     return {
@@ -120,14 +137,15 @@ def markdown(report: dict[str, Any]) -> str:
     if "prefill" in parts:
         per_context = parts["prefill"]["one chunk"]
         contexts = list(per_context)
-        lines += ["", "Prefill, one chunk: seconds (× full)", ""]
+        lines += ["", "Prefill, one chunk: seconds (× full), peak MiB above the level before", ""]
         lines += [
             "| method | " + " | ".join(f"{n} tokens" for n in contexts) + " |",
             "| --- |" + " ---: |" * len(contexts),
         ]
         for name in per_context[contexts[0]]:
             cells = [per_context[n][name] for n in contexts]
-            lines.append(f"| {name} | " + " | ".join(f"{c['s']:.1f} ({c['x_full']:.2f})" for c in cells) + " |")
+            shown = (f"{c['s']:.1f} ({c['x_full']:.2f}), {c['peak_mb']:.0f} MiB" for c in cells)
+            lines.append(f"| {name} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
 
 
@@ -135,7 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--methods", nargs="+", default=METHODS, help="config names; 'ii': METHODS_II")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batch-context", type=int, default=1024)
@@ -147,7 +165,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench_methods")
     args = ap.parse_args()
 
-    names = available(args.methods)
+    names = available(METHODS_II if args.methods == ["ii"] else args.methods)
     prefill_names = ["full"] + [n for n in names if "prefill" not in policy(n).unsupported_stages]
     lm = load_model(args.model, **MODELS[args.model])
     out = Path(args.out)

@@ -13,6 +13,8 @@ written to ``--out`` and printed, counts the rows whose kept sets are identical 
 (scripts/peer_compare.py).
 
 A method is one entry of ``METHODS``: the press (and its arguments) and the kvbench config (and its overrides).
+A composed press (kvpress's ``ComposedPress``: a token press, then ThinK on the keys it kept) is compared twice, its
+kept tokens and its kept key channels, each a row of the table.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
+from kvbench.engine.replay import template_ends
 from kvbench.models import LoadedModel, load_model, load_tokenizer
 from kvbench.policies.base import Policy
+from kvbench.policies.channels import KeyChannels
 from kvbench.policies.registry import build_policy
 from kvbench.tasks.datasets import read_jsonl
 
@@ -58,24 +62,63 @@ class Method:
     # The press decides its own kept count (SimLayerKV's lazy layers): kvpress gets no compression ratio (its
     # setter refuses one) and kvbench's budget is 1.0, which caps nothing.
     adaptive: bool = False
+    # The press prunes key channels, not tokens (ThinK): both sides' kept sets are channels [layers, heads, D], the
+    # press takes no compression ratio (its own names the share of channels) and kvbench's budget caps nothing.
+    channels: bool = False
+    # The press takes the chat template's opening (the ids before a user message's text) to start every prompt
+    # and skips that many ids, whatever they are (KVzip): both sides get prompts that start with it.
+    chat_header: bool = False
+    # The press ranks every layer's entries at once (KVzip): its kept total must be a whole budget per row.
+    pooled: bool = False
+    # kvpress's ComposedPress: these presses in order, each on what the one before kept (``press`` unused). Each
+    # part takes the compression ratio as it would alone; the kept sets compared are those of every part's kind.
+    parts: tuple[Method, ...] = ()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """What the two sides' kept sets are: ``tokens`` [layers, heads, n] and/or ``channels`` [layers, heads, D]."""
+        if self.parts:
+            return tuple(kind for part in self.parts for kind in part.kinds)
+        return ("channels",) if self.channels else ("tokens",)
 
     def press_spec(self) -> dict[str, Any]:
+        if self.parts:
+            presses = [part.press_spec() for part in self.parts]
+            eager = any(part.eager for part in self.parts)
+            return {"press": "ComposedPress", "presses": presses, "eager": eager, "ratio": False, "channels": False}
         inner = {"press": self.inner, "kwargs": self.inner_kwargs} if self.inner else None
         return {
             "press": self.press,
             "kwargs": self.kwargs,
             "inner": inner,
             "eager": self.eager,
-            "ratio": not self.adaptive,
+            "ratio": not (self.adaptive or self.channels),
+            "channels": self.channels,
         }
 
     def budget(self, n: int, ratio: float, kind: str) -> float | int:
         """kvbench's budget for a prompt of ``n`` tokens (``kind``: ``--budget``)."""
-        if self.adaptive:
+        if self.adaptive or self.channels:
             return 1.0
         return kvpress_kept_count(n, ratio) if kind == "count" else round(1 - ratio, 10)
 
+    def prompt(self, ids: list[int], header: list[int], rows: int, ratio: float) -> list[int]:
+        """The ids both sides prefill for a context's ``ids``: after the chat template's ``header`` where the press
+        expects it; for a pooled press over ``rows`` (layers × KV heads), cut at the end until kvpress's kept
+        total ``rows·n − ⌊rows·n·ratio⌋`` is ``rows`` times its per-row count, which kvbench's budget (whole
+        tokens per row) can then equal (at ratio 0.5: an even ``n``)."""
+        out = (header if self.chat_header else []) + ids
+        while (
+            self.pooled
+            and len(out) > 1
+            and pooled_kept(len(out), rows, ratio) != rows * kvpress_kept_count(len(out), ratio)
+        ):
+            out = out[:-1]
+        return out
+
     def press_label(self) -> str:
+        if self.parts:
+            return f"ComposedPress([{', '.join(part.press_label() for part in self.parts)}])"
         inner = f"{self.inner}({args(self.inner_kwargs)})" if self.inner else ""
         return f"{self.press}({', '.join(a for a in (inner, args(self.kwargs)) if a)})"
 
@@ -157,6 +200,28 @@ METHODS: dict[str, Method] = {
         {"score.lazy_threshold": 0.45, "score.n_recent": 128},
         adaptive=True,
     ),
+    # kvpress's defaults but the ratio (its default 0 prunes nothing); the prompt's every token is kept.
+    "think": Method("ThinKPress", "think", {"key_channel_compression_ratio": 0.5, "window_size": 32}, channels=True),
+    "think_25": Method(
+        "ThinKPress",
+        "think",
+        {"key_channel_compression_ratio": 0.25, "window_size": 64},
+        {"channels.ratio": 0.25, "channels.window": 64},
+        channels=True,
+    ),
+    # KVzip's replay passes: kvpress's chunk of 2,048 tokens repeats each ~1,000-token prompt in one pass.
+    "kvzip": Method("KVzipPress", "kvzip", chat_header=True, pooled=True),
+    "kvzip_plus": Method("KVzipPress", "kvzip_plus", {"kvzip_plus_normalization": True}, chat_header=True, pooled=True),
+    # SnapKV's kept tokens, then ThinK's channels of the keys SnapKV kept: kvpress's defaults (ThinK's ratio 0.5).
+    "think_snapkv": Method(
+        "ComposedPress",
+        "think_snapkv",
+        overrides={"score.window": 64},
+        parts=(
+            Method("SnapKVPress", "snapkv", SNAPKV),
+            Method("ThinKPress", "think", {"key_channel_compression_ratio": 0.5, "window_size": 32}, channels=True),
+        ),
+    ),
     # kvpress's on-the-fly head scores, calibrated on the prompt itself (scripts/peer_kvpress_side.py), against
     # duoattention.yaml's defaults (kvpress's on-the-fly sink and window sizes, half the heads streaming).
     "duoattention": Method(
@@ -201,11 +266,17 @@ def kvpress_kept_count(n: int, ratio: float) -> int:
     return max(1, int(n * (1 - ratio)))
 
 
-def run_peer(peer_python: str, methods: dict[str, Method], prompts: list[list[int]], ratio: float) -> Any:
+def pooled_kept(n: int, rows: int, ratio: float) -> int:
+    """What KVzipPress keeps in all of ``rows`` rows of ``n`` entries: it prunes ``⌊rows·n·ratio⌋``."""
+    return rows * n - int(rows * n * ratio)
+
+
+def run_peer(peer_python: str, methods: dict[str, Method], prompts: dict[str, list[list[int]]], ratio: float) -> Any:
+    """kvpress's kept masks and scores of each method on its prompts (``prompts[method]``)."""
     with tempfile.TemporaryDirectory() as tmp:
         request, out = Path(tmp) / "request.json", Path(tmp) / "peer.npz"
-        specs = {name: m.press_spec() for name, m in methods.items()}
-        request.write_text(json.dumps({"ratio": ratio, "prompts": prompts, "methods": specs}), encoding="utf-8")
+        specs = {name: {**m.press_spec(), "prompts": prompts[name]} for name, m in methods.items()}
+        request.write_text(json.dumps({"ratio": ratio, "methods": specs}), encoding="utf-8")
         subprocess.run([peer_python, str(PEER_SIDE), str(request), str(out)], check=True)
         with np.load(out) as got:
             return {key: got[key] for key in got.files}
@@ -248,6 +319,59 @@ def run_kvbench(lm: LoadedModel, method: Method, ids: list[int], budget: float |
     return kept, probe.scores
 
 
+class ChannelProbe:
+    """Records each layer's channel scores and kept channels as ``KeyChannels`` computes them (the prompt cache's
+    layers prune in order, one call each), as a kept mask and scores [layers, heads, D]."""
+
+    def __init__(self) -> None:
+        self.scores: list[np.ndarray] = []
+        self.kept: list[np.ndarray] = []
+
+    def __enter__(self) -> ChannelProbe:
+        self.saved = KeyChannels.scores, KeyChannels.keep
+        scores, keep = self.saved
+
+        def scoring(channels: KeyChannels, query_energy: torch.Tensor, key_energy: torch.Tensor) -> torch.Tensor:
+            got = scores(channels, query_energy, key_energy)
+            self.scores.append(got.cpu().numpy())
+            return got
+
+        def keeping(channels: KeyChannels, ranked: torch.Tensor) -> torch.Tensor:
+            got = keep(channels, ranked)
+            mask = np.zeros(ranked.shape, dtype=bool)
+            mask[np.arange(ranked.shape[0])[:, None], got.cpu().numpy()] = True
+            self.kept.append(mask)
+            return got
+
+        KeyChannels.scores, KeyChannels.keep = scoring, keeping  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        KeyChannels.scores, KeyChannels.keep = self.saved  # type: ignore[method-assign]
+
+
+def run_kvbench_kinds(
+    lm: LoadedModel, method: Method, ids: list[int], budget: float | int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """kvbench's kept sets and scores of each of the method's kinds (``Method.kinds``), from one run."""
+    if method.kinds == ("channels",):
+        return {"channels": run_kvbench_channels(lm, method, ids)}
+    with ChannelProbe() as probe:  # records nothing where the policy prunes no channel
+        got = {"tokens": run_kvbench(lm, method, ids, budget)}
+    if probe.kept:
+        got["channels"] = np.stack(probe.kept), np.stack(probe.scores)
+    return got
+
+
+def run_kvbench_channels(lm: LoadedModel, method: Method, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """kvbench's kept channels and channel scores [layers, heads, D] after prefilling ``ids`` (every token kept)."""
+    settings = EngineSettings(policy=build_policy(policy_config(method)), budget=1.0, stage="prefill")
+    request = Request(input_ids=ids, settings=DecodeSettings(max_new_tokens=1))
+    with ChannelProbe() as probe:
+        Engine(lm.model, lm.tokenizer, settings).run([request])
+    return np.stack(probe.kept), np.stack(probe.scores)
+
+
 BEGIN, END = "<!-- BEGIN measured by scripts/peer_agreement.py -->", "<!-- END measured -->"
 
 
@@ -274,30 +398,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "peers.md")
     a = parser.parse_args(argv)
     methods = {name: METHODS[name] for name in a.methods}
-    prompts = choose_prompts(a.data_dir, a.subset, a.prompts, a.min_tokens, a.max_tokens)
-    peer = run_peer(a.peer_python, methods, prompts, a.ratio)
+    contexts = choose_prompts(a.data_dir, a.subset, a.prompts, a.min_tokens, a.max_tokens)
     lm = load_model("smollm2", source="embedded", dtype="float32", device="cpu")
-    rows, notes = [], []
+    rows = lm.model.config.num_hidden_layers * lm.model.config.num_key_value_heads
+    header = template_ends(lm.tokenizer)[0]
+    prompts = {
+        name: [m.prompt(ids, header, rows, m.mean_ratio(a.ratio)) for ids in contexts] for name, m in methods.items()
+    }
+    peer = run_peer(a.peer_python, methods, prompts, a.ratio)
+    table_rows, notes = [], []
     for name, method in methods.items():
-        agreement = Agreement()
-        for index, ids in enumerate(prompts):
-            kept, scores = run_kvbench(lm, method, ids, method.budget(len(ids), method.mean_ratio(a.ratio), a.budget))
-            compare(agreement, index, kept, peer[f"{name}/{index}/kept"], peer[f"{name}/{index}/scores"], scores, a.eps)
-        rows.append((name, method.press_label(), method.config_label(), agreement))
-        notes += unexplained_rows(name, agreement)
-        print(f"{name}: {agreement.identical}/{agreement.rows} rows identical", flush=True)
+        agreements = {kind: Agreement() for kind in method.kinds}
+        for index, ids in enumerate(prompts[name]):
+            budget = method.budget(len(ids), method.mean_ratio(a.ratio), a.budget)
+            ours = run_kvbench_kinds(lm, method, ids, budget)
+            for kind, agreement in agreements.items():
+                kept, scores = ours[kind]
+                at = f"{name}/{index}/{kind}"
+                compare(agreement, index, kept, peer[f"{at}/kept"], peer[f"{at}/scores"], scores, a.eps)
+        for kind, agreement in agreements.items():
+            label = f"{name} ({kind})" if len(agreements) > 1 else name
+            table_rows.append((label, method.press_label(), method.config_label(), agreement))
+            notes += unexplained_rows(label, agreement)
+            print(f"{label}: {agreement.identical}/{agreement.rows} rows identical", flush=True)
     import transformers
 
     versions = json.loads(str(peer["versions"]))
     setup = (
-        f"Measured on {len(prompts)} LongBench `{a.subset}` contexts of {', '.join(str(len(p)) for p in prompts)} "
+        f"Measured on {len(contexts)} LongBench `{a.subset}` contexts of {', '.join(str(len(p)) for p in contexts)} "
         f"tokens, SmolLM2-135M-Instruct (float32, CPU), `compression_ratio={a.ratio}`, kvbench's budget "
         f"{'kvpress kept count in tokens' if a.budget == 'count' else 'the fraction 1 - ratio'}: kvpress "
         f"{versions['kvpress']} (transformers {versions['transformers']}, torch {versions['torch']}) against "
         f"kvbench (transformers {transformers.__version__}, torch {torch.__version__})."
     )
     unexplained = ["Unexplained rows (positions only one side kept, with both sides' scores):", "", *notes]
-    section = "\n\n".join([setup, table(rows), *(["\n".join(unexplained)] if notes else [])])
+    section = "\n\n".join([setup, table(table_rows), *(["\n".join(unexplained)] if notes else [])])
     print(section)
     a.out.write_text(with_section(a.out.read_text(encoding="utf-8"), section), encoding="utf-8")
     return 0

@@ -36,7 +36,8 @@ BUDGET = 0.25
 
 def prefill_run(lm: LoadedModel, ids: list[int], policy: Any, stride: int | None) -> tuple[float, int]:
     """(prefill seconds, peak bytes above the level before) of one prompt compression."""
-    engine = Engine(lm.model, None, EngineSettings(policy, BUDGET, stride=stride))
+    # The tokenizer: a replaying score (KVzip) words its passes' instruction with it, as a run does.
+    engine = Engine(lm.model, lm.tokenizer, EngineSettings(policy, BUDGET, stride=stride))
     with PeakMemory(lm.device) as memory:
         (g,) = engine.run([Request(ids, settings=DecodeSettings(max_new_tokens=1))])
     return g.measures.timings.prefill_s, memory.peak

@@ -70,7 +70,11 @@ def fit_layers(cfg: dict, n_layers: int) -> dict:
 
 def keeping_all(cfg: dict) -> dict:
     """A policy's config as a budget of the sequence length keeps everything: a threshold allocation decides
-    what is kept whatever the budget, so there it gets the threshold every score reaches."""
+    what is kept whatever the budget, so there it gets the threshold every score reaches; key channels (ThinK) are
+    pruned whatever the budget, so there every channel is kept (a ratio of 0)."""
+    channels = cfg.get("channels")
+    if isinstance(channels, dict):
+        cfg = cfg | {"channels": channels | {"ratio": 0.0}}
     allocation = cfg.get("allocation")
     if isinstance(allocation, dict) and allocation.get("kind") == "threshold":
         return cfg | {"allocation": allocation | {"threshold": float("-inf")}}
@@ -128,11 +132,11 @@ def registries() -> tuple[Registry, ...]:
     """Every registry of the package (tests/test_registry.py checks that no other exists)."""
     from kvbench.metrics.registry import METRICS
     from kvbench.policies.merge import MERGES
-    from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
+    from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES, SPARSITIES
     from kvbench.policies.quantize import QUANTIZERS
     from kvbench.tasks.registry import TASKS
 
-    return SCORES, SCOPES, ALLOCATIONS, QUANTIZERS, MERGES, TASKS, METRICS
+    return SCORES, SCOPES, ALLOCATIONS, SPARSITIES, QUANTIZERS, MERGES, TASKS, METRICS
 
 
 @pytest.fixture(autouse=True)

@@ -44,6 +44,8 @@ def test_a_new_or_changed_config_changes_the_tables(tmp_path):
     )
     h2o = configs / "policy" / "h2o.yaml"
     h2o.write_text(h2o.read_text().replace("window: 0.5", "window: 0.25"))
+    think = configs / "policy" / "think.yaml"
+    think.write_text(think.read_text().replace("ratio: 0.5 ", "ratio: 0.25 "))
     readme = tmp_path / "README.md"
     readme.write_text(README.read_text(encoding="utf-8"), encoding="utf-8")
 
@@ -55,6 +57,7 @@ def test_a_new_or_changed_config_changes_the_tables(tmp_path):
         "Park et al. 2025, [arXiv:2504.15364](https://arxiv.org/abs/2504.15364) |" in text
     )
     assert "`sinks_window` (n_sink 0, window 0.25)" in text
+    assert "| `all` | `uniform`; key channels `think` (ratio 0.25, window 32) |" in text  # policy.channels shown
     assert main(["--readme", str(readme), "--configs", str(configs)]) == 0
 
 

@@ -107,7 +107,9 @@ def test_every_method_names_a_config_that_builds_with_its_overrides(name):
         for part in key.split("."):
             node = node[part]
         assert node == value, f"{name}: policy.{key} did not take"
-    assert build_policy(config).evicts
+    built = build_policy(config)
+    assert ("channels" in method.kinds) == (built.channels is not None)  # a channel method prunes channels
+    assert ("tokens" in method.kinds) == built.evicts
 
 
 def test_an_override_of_a_missing_key_is_refused():
@@ -164,3 +166,59 @@ def test_kvbench_keeps_the_top_of_the_scores_it_records(policy, overrides):
         flat_kept = kept[layer].reshape(flat.shape)
         for r in range(flat.shape[0]):
             assert flat[r][flat_kept[r]].min() >= flat[r][~flat_kept[r]].max()
+
+
+def test_kvzip_prompts_start_with_the_chat_header_and_keep_a_whole_budget_per_row():
+    """KVzipPress skips the chat template's opening at the start of every prompt, so both sides get it; it prunes
+    ⌊rows·n·ratio⌋ over every row at once, which kvbench's whole tokens per row equal only at an even n (ratio
+    0.5, 90 rows): an odd prompt loses its last token. Other methods get the context as it is."""
+    kvzip, header, context = peer_agreement.METHODS["kvzip"], [7, 8, 9], list(range(100, 108))
+    assert kvzip.chat_header and peer_agreement.METHODS["kvzip_plus"].kwargs == {"kvzip_plus_normalization": True}
+    assert kvzip.prompt(context, header, 90, 0.5) == header + context[:-1]  # 11 ids, cut to 10
+    assert kvzip.prompt(context[:-1], header, 90, 0.5) == header + context[:-1]
+    assert peer_agreement.pooled_kept(11, 90, 0.5) == 495 != 90 * peer_agreement.kvpress_kept_count(11, 0.5)
+    assert peer_agreement.pooled_kept(10, 90, 0.5) == 450 == 90 * peer_agreement.kvpress_kept_count(10, 0.5)
+    assert peer_agreement.METHODS["snapkv"].prompt(context, header, 90, 0.5) == context
+
+
+def test_a_composed_press_names_its_parts_each_with_the_ratio_it_takes_alone():
+    """kvpress's ComposedPress([SnapKVPress, ThinKPress]): SnapKV takes the run's compression ratio, ThinK its own
+    channel ratio; both kinds of kept set are compared, and kvbench's budget is kvpress's kept count of tokens."""
+    method = peer_agreement.METHODS["think_snapkv"]
+    spec = method.press_spec()
+    assert spec["press"] == "ComposedPress" and spec["ratio"] is False
+    assert [(p["press"], p["ratio"], p["channels"]) for p in spec["presses"]] == [
+        ("SnapKVPress", True, False),
+        ("ThinKPress", False, True),
+    ]
+    assert method.kinds == ("tokens", "channels")
+    assert method.press_label() == (
+        "ComposedPress([SnapKVPress(window_size=64, kernel_size=5), "
+        "ThinKPress(key_channel_compression_ratio=0.5, window_size=32)])"
+    )
+    assert method.budget(1001, 0.5, "count") == 500
+    assert peer_agreement.METHODS["think"].kinds == ("channels",) and peer_agreement.METHODS["tova"].kinds == (
+        "tokens",
+    )
+
+
+def test_kvbench_side_of_a_composed_method_keeps_tokens_then_the_top_channels_of_each_row():
+    """One run gives both kept sets: every row keeps ``budget`` tokens, and D - int(D · ratio) key channels, the
+    highest of the channel scores the probe recorded."""
+    lm = load_model("tiny", source="tiny", dtype="float32", device="cpu")
+    ids = np.random.default_rng(0).integers(0, 250, 64).tolist()
+    method = peer_agreement.Method(
+        "ComposedPress",
+        "think_snapkv",
+        overrides={"score.window": 8, "channels.window": 8},
+        parts=(peer_agreement.METHODS["think_snapkv"].parts),
+    )
+    got = peer_agreement.run_kvbench_kinds(lm, method, ids, 24)
+    layers, heads = lm.model.config.num_hidden_layers, lm.model.config.num_key_value_heads
+    kept, _ = got["tokens"]
+    assert kept.shape == (layers, heads, 64) and (kept.sum(axis=-1) == 24).all()
+    channels, scores = got["channels"]
+    dim = channels.shape[-1]
+    assert channels.shape == scores.shape == (layers, heads, dim)
+    assert (channels.sum(axis=-1) == dim - int(dim * 0.5)).all()
+    assert (np.where(channels, scores, np.inf).min(axis=-1) >= np.where(channels, -np.inf, scores).max(axis=-1)).all()

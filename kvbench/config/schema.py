@@ -118,9 +118,12 @@ class PolicyConfig:
     allocation: Any = setting("uniform", expect="an allocation kind or {kind: ..., options}")
     merge: Any = setting(False, expect="true or false", check=merge_problem)
     quantize: str = setting("none", expect="none or a quantisation", check=quantize_problem)
+    channels: Any = setting(None, expect="null or {kind: think, ratio: ..., window: ...}")
     positions: Positions = setting(Positions.absolute, expect="a position mode")
     sliding_layers: SlidingLayers = setting(SlidingLayers.window, expect="a sliding-layer mode")
     interval: int = setting(1, expect=INTERVAL, check=at_least(1, INTERVAL))
+    # Decode-time sparsity with score none (kvbench.policies.sparse): the budget then counts attended keys
+    sparsity: Any = setting("none", expect="none or a sparsity kind {kind: quest, page_size: ..., dense_layers: ...}")
     # stage=both: another named policy (configs/policy/) for one phase; null: this one (kvbench.policies.phased)
     prefill: str | None = setting(None, expect=PHASE_POLICY)
     decode: str | None = setting(None, expect=PHASE_POLICY)

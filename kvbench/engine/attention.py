@@ -14,16 +14,17 @@ hides) and the few rows a policy reads (the last query, an observation window) f
 ``blocked.attention_statistics``; a chunk whose statistics sum over every query, or a softcapped one (SDPA
 cannot softcap), takes its output and statistics from one blocked pass (``engine/blocked.py``). Once the
 output exists the layer records the statistics (``CacheLayer.record``); the cache evicts when the step
-finishes. A policy that needs no statistics pays nothing, and once no later step will evict
-(``Step.collects``) none are computed. The attention finds the cache of the forward under way through
-``attending``, which the batch loop holds around each forward.
+finishes. Under ``policy.channels`` the layer notes a context's last queries, and once its keys are pruned each
+query is narrowed to its KV head's kept channels before any product. A policy that needs no statistics pays
+nothing, and once no later step will evict (``Step.collects``) none are computed. The attention finds the cache of
+the forward under way through ``attending``, which the batch loop holds around each forward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -31,18 +32,25 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
+from kvbench.engine.replay import replay_statistics
 from kvbench.engine.visibility import KeyAccess, visibility
 from kvbench.policies.statistics import NOTHING, Collecting, Latest, Logged, Summed, attention_names, declared
+from kvbench.stages import Phase
 
 if TYPE_CHECKING:
     from kvbench.engine.cache.cache import KVCache
     from kvbench.engine.cache.layer import CacheLayer
-    from kvbench.engine.step import Step
+    from kvbench.engine.step import Reconstruction, Step
 
 ATTN_NAME = "kvbench"
 # Arguments of transformers' attention interface that carry nothing kvbench must compute (bookkeeping the
 # model also hands to every other attention function). Any other argument with a value is refused.
 PASSIVE_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+
+
+# A decode-time sparsity's choice for a decode step: (queries [rows, group, D], keys [rows, n, D], visible
+# [rows, n] or None) to the keys each query head attends, bool [rows, group, n].
+Selector = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def decode_attention(
@@ -51,9 +59,11 @@ def decode_attention(
     value: torch.Tensor,
     access: KeyAccess,
     collecting: Collecting = NOTHING,
+    select: Selector | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One query per sequence (query [B, heads, 1, D]) over its rows' keys [B, kv_heads, n, D], each row seeing
-    what ``access.visible`` [B × kv_heads, n] and its window show (None: every key). Returns the attention output
+    what ``access.visible`` [B × kv_heads, n] and its window show (None: every key), and each query head of it
+    only what ``select`` chooses of that (None: all of it). Returns the attention output
     in the layout transformers' attention functions return ([B, 1, heads, Dv]) and the statistics of
     ``attention_statistics`` for that query ([B × kv_heads, n] each), both from one set of probabilities
     (float32). Each row is its own batched product: a sequence's result does not depend on the others'."""
@@ -67,7 +77,9 @@ def decode_attention(
     if access.window is not None:
         in_window = access.window.allowed(0, 1)[:, 0]  # [rows, n]
         visible = in_window if visible is None else visible & in_window
-    if visible is not None:
+    if select is not None:
+        logits = logits.masked_fill(~select(qh, keys, visible), float("-inf"))
+    elif visible is not None:
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
     probs = logits.softmax(dim=-1)
     output = torch.bmm(probs, value.reshape(rows, n, -1).float()).to(query.dtype).view(b, 1, hq, -1)
@@ -149,15 +161,22 @@ def kvbench_attention(
     access = KeyAccess(
         scaling if scaling is not None else query.shape[-1] ** -0.5, key.shape[2] - q, layer.visible, window, softcap
     )
+    if layer.store.channels is not None:  # pruned key channels (policy.channels): the query meets the kept ones
+        query = layer.narrow_queries(query)
+    elif layer.policy.channels is not None and step.phase is Phase.prefill:
+        layer.note_queries(query)
     needs = attention_names(layer.policy.needs) if step.collects else frozenset()
     if not step.prepares:
         needs = needs - {s.name for s in declared(needs, Logged)}
     collecting = Collecting(needs, layer.policy.history) if needs else NOTHING
+    if step.replay is not None:
+        return _replay_pass(module, query, key, value, layer, step.replay, access), None
     if q == 1:
+        select = _selector(layer, step)
         # SDPA only for one unmasked sequence: for several, one batched product per row (docs/perf/batch.md).
-        plain = query.shape[0] == 1 and layer.visible is None and window is None
+        plain = query.shape[0] == 1 and layer.visible is None and window is None and select is None
         if needs or softcap is not None or not plain:
-            output, stats = decode_attention(query, key, value, access, collecting)
+            output, stats = decode_attention(query, key, value, access, collecting, select)
         else:
             output, stats = (
                 sdpa_attention_forward(
@@ -180,6 +199,42 @@ def kvbench_attention(
     stats = attention_statistics(query, key, access, collecting) if needs else {}
     layer.record(_with_queries(stats, layer, step, query))
     return output, None
+
+
+def _selector(layer: CacheLayer, step: Step) -> Selector | None:
+    """What the policy's decode-time sparsity lets this decode step's query heads attend in this layer (None:
+    every visible key): each lane's budget of attended keys (``Step.attended``) holds for its KV heads' rows."""
+    sparsity = layer.policy.sparsity
+    if sparsity is None or step.attended is None or not sparsity.applies(layer.layer_idx):
+        return None
+    positions = layer.key_positions
+    assert positions is not None, "update sets the step's key positions before the layer attends"
+    heads = layer.entries.heads
+    budgets = torch.tensor(step.attended, device=positions.device).repeat_interleave(heads)
+    query_positions = layer.current.query_positions[:, 0]
+    return lambda queries, keys, visible: sparsity.select(queries, keys, positions, visible, query_positions, budgets)
+
+
+def _replay_pass(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: CacheLayer,
+    span: Reconstruction,
+    access: KeyAccess,
+) -> torch.Tensor:
+    """A replay pass of the prompt (KVzip): the model's output as for any step, and, in a layer whose policy
+    replays, the reconstruction attention it records (``engine.replay``)."""
+    if query.shape[2] == 1:
+        output = decode_attention(query, key, value, access)[0]
+    elif access.softcap is not None:
+        output = attention_statistics(query, key, access, NOTHING, value).pop("output")
+    else:
+        output = _sdpa(module, query, key, value, access)
+    if layer.policy.replay is not None:
+        layer.record(replay_statistics(query, key, value, layer, span, access))
+    return output
 
 
 def _with_queries(

@@ -23,11 +23,13 @@ from kvbench.engine.attention import attending, kvbench_attention_enabled
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.contexts import Prefilled, SharedContexts
 from kvbench.engine.fused_llama import FusedLlama
+from kvbench.engine.masked_replay import replay_masks
 from kvbench.engine.plan import LayerPlan, plan_layers
+from kvbench.engine.replay import hidden_norms, passes
 from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
 from kvbench.engine.sequence import Generation, Request, Sequence, finished_generation, reference_length
 from kvbench.engine.settings import EngineSettings
-from kvbench.engine.step import Phase, Step
+from kvbench.engine.step import Phase, Reconstruction, Step
 
 # A request finished by a unit of work: its index in the request list, and its generation or what made it fail.
 Finished = tuple[int, Generation | Exception]
@@ -88,17 +90,19 @@ class BatchLoop:
         chunk = self.settings.stride or context
         new = request.settings.max_new_tokens
         budget = self.settings.budget
-        tokens = (
-            budget_tokens(budget, reference_length(self.stage, context, suffix, new)) if self.policy.evicts else None
-        )
+        reference = reference_length(self.stage, context, suffix, new)
+        tokens = budget_tokens(budget, reference) if self.policy.budgeted else None  # held keys, or attended ones
         problem = None if tokens is None else too_small(tokens, self.policy)
         if problem:
             raise ValueError(f"budget of {problem}")
-        plans = plan_layers(self.policy, tokens, self.windows, self.stage, context, suffix, new, chunk)
+        evicts = self.stage.evicts_in(Phase.prefill)
+        replays = passes(self.tokenizer, request.input_ids, self.policy.replay) if evicts else []
+        longest = max((len(ids) for _, ids in replays), default=0)
+        held = tokens if self.policy.evicts else None
+        plans = plan_layers(self.policy, held, self.windows, self.stage, context, suffix, new, chunk, longest)
         if request.context_id is not None:
-            evicts = self.stage.evicts_in(Phase.prefill)
             self.contexts.join(request.context_id, request.input_ids, plans, evicts)
-        return Sequence(index, request, plans, tokens, chunk, self.device)
+        return Sequence(index, request, plans, tokens, chunk, self.device, replays=replays)
 
     # -- driving -----------------------------------------------------------------------------------------------
     @property
@@ -129,23 +133,33 @@ class BatchLoop:
 
     # -- forwards ----------------------------------------------------------------------------------------------
     def _forward(
-        self, cache: KVCache, seqs: list[Sequence], ids: list[list[int]], phase: Phase, evicts: bool
+        self,
+        cache: KVCache,
+        seqs: list[Sequence],
+        ids: list[list[int]],
+        phase: Phase,
+        evicts: bool,
+        replay: Reconstruction | None = None,
     ) -> torch.Tensor:
-        """One forward of lanes ``0:len(seqs)``; the last position's logits [B, V]."""
+        """One forward of lanes ``0:len(seqs)``; the last position's logits [B, V]. ``replay``: a replay pass of
+        the prompt (fed after it, leaving the sequence where it was)."""
         positions = [[s.position + i for i in range(len(t))] for s, t in zip(seqs, ids)]
         step = Step(
             lanes=range(len(seqs)),
             positions=positions,
             phase=phase,
             evicts=evicts,
-            collects=evicts or self.stage.evicts_in(Phase.decode),
+            collects=replay is None and (evicts or self.stage.evicts_in(Phase.decode)),
             prepares=phase is not Phase.decode or cache.evictor.prepares(range(len(seqs))),
-            replay_masks=self._replay_masks(cache, seqs, positions),
+            replay_masks=None if replay else replay_masks(len(self.windows), seqs, positions, self.device),
+            attended=self._attended(seqs, phase),
+            replay=replay,
         )
         fed = cache.begin(step)
         input_ids = torch.tensor(ids, device=self.device)
-        with attending(cache):
-            if self.fused is not None:
+        plus = replay is not None and self.policy.replay is not None and self.policy.replay.plus
+        with attending(cache), hidden_norms(self.model, cache, plus):
+            if self.fused is not None and replay is None:
                 logits = self.fused(input_ids, fed, cache)
             else:
                 logits = self.model(
@@ -154,36 +168,26 @@ class BatchLoop:
         cache.finish(step)
         held = cache.held_by_lane(step.lanes)
         for i, (s, t, (resident, kept)) in enumerate(zip(seqs, ids, held)):
-            s.position += len(t)
-            s.forwards += 1
             s.resident_peak = max(s.resident_peak, resident)
             s.kept_peak = max(s.kept_peak, kept)
+            if replay is not None:  # the trace's entry for the prompt's last chunk is what the replay kept
+                if self.settings.trace:
+                    s.traces[-1] = cache.kept_positions(i)
+                continue
+            s.position += len(t)
+            s.forwards += 1
             if self.settings.trace:
                 s.traces.append(cache.kept_positions(i))
         return logits
 
-    def _replay_masks(
-        self, cache: KVCache, seqs: list[Sequence], positions: list[list[int]]
-    ) -> list[torch.Tensor] | None:
-        """Masked replay: each layer's past down to what the traced run held at this step, by position."""
-        traced = [s.request.replay_trace for s in seqs]
-        if all(t is None for t in traced) or all(s.forwards == 0 for s in seqs):
+    def _attended(self, seqs: list[Sequence], phase: Phase) -> list[int] | None:
+        """Under a decode-time sparsity, each lane's budget of attended keys in a decode step (prompt chunks
+        attend every key)."""
+        if self.policy.sparsity is None or phase is not Phase.decode:
             return None
-        if any(t is None for t in traced):
-            raise ValueError("masked replay needs a trace for every sequence of the batch")
-        width = max(p[-1] for p in positions) + 1
-        masks: list[torch.Tensor] = []
-        for layer in range(len(self.windows)):
-            rows = []
-            for s, p, trace in zip(seqs, positions, traced):
-                assert trace is not None, "checked above: every sequence has a trace"
-                held = trace[s.forwards - 1][layer].to(self.device)
-                by_position = torch.zeros(held.shape[0], width, dtype=torch.bool, device=self.device)
-                by_position.scatter_(1, held, True)
-                by_position[:, p[0] :] = True  # the step's own tokens
-                rows.append(by_position)
-            masks.append(torch.cat(rows))
-        return masks
+        budgets = [s.budget_tokens for s in seqs if s.budget_tokens is not None]
+        assert len(budgets) == len(seqs), "every sequence has a budget under a sparsity (Policy.budgeted)"
+        return budgets
 
     def _admit(self, seq: Sequence) -> None:
         """Prefill one prompt (its chunks, or its copy of a shared context, then the suffix) and give the sequence
@@ -236,13 +240,19 @@ class BatchLoop:
         return cache
 
     def _prefill_context(self, cache: KVCache, seq: Sequence) -> torch.Tensor:
-        """Feed the prompt's context in chunks, evicting where the stage does; the last position's logits."""
+        """Feed the prompt's context in chunks, evicting where the stage does (after its replay passes, where the
+        policy replays it); the last position's logits."""
         ids = seq.request.input_ids
         logits = None
+        evicts = self.stage.evicts_in(Phase.prefill)
         for start in range(0, len(ids), seq.chunk):
             chunk = [ids[start : start + seq.chunk]]
-            logits = self._forward(cache, [seq], chunk, Phase.prefill, self.stage.evicts_in(Phase.prefill))
+            logits = self._forward(cache, [seq], chunk, Phase.prefill, evicts and not seq.replays)
         assert logits is not None, "a prompt has at least one chunk"
+        for i, (span, replayed) in enumerate(seq.replays):  # KVzip's passes: the last one evicts
+            self._forward(cache, [seq], [replayed], Phase.prefill, evicts and i == len(seq.replays) - 1, span)
+        if self.policy.channels is not None:  # ThinK: key channels are chosen once the context is in
+            cache.prune_channels()
         seq.kept_after_prefill = cache.summary(0).kept_per_layer
         return logits
 

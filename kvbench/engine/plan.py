@@ -44,26 +44,35 @@ class LayerPlan:
         cap = max((self.prefill if phase is Phase.prefill else self.decode) for phase in phases)
         if policy.allocation.per_head and self.budget is not None:
             sharing = heads * (layers if policy.allocation.pools_layers else 1)
-            cap = min(self.total, cap + (sharing - 1) * self.budget)
+            cap = max(cap, min(self.total, cap + (sharing - 1) * self.budget))  # a replay pass may exceed total
         return cap
 
 
 def plan_capacity(
-    stage: str, budget: int | None, context: int, suffix: int, max_new: int, chunk: int, interval: int = 1
+    stage: str,
+    budget: int | None,
+    context: int,
+    suffix: int,
+    max_new: int,
+    chunk: int,
+    interval: int = 1,
+    replay: int = 0,
 ) -> tuple[int, int]:
     """The most tokens a layer holds while the prompt (and suffix) is fed, and while decoding (a decode step
     evicts every ``interval`` steps, so a row holds up to ``interval`` entries past its budget in the step that
-    evicts)."""
+    evicts). ``replay``: the longest replay pass (KVzip's), fed over the whole prompt before it evicts."""
     total = context + suffix + max_new
     if budget is None:
-        return context + suffix, total
+        return context + max(suffix, replay), total
     prefill_evicts = stage in ("prefill", "both")
     decode_evicts = stage in ("decode", "both")
     held_in_prefill = min(context, budget + chunk) if prefill_evicts else context
+    if replay and prefill_evicts:
+        held_in_prefill = context + replay
     after_prefill = min(context, budget) if prefill_evicts else context
     after_suffix = after_prefill + suffix
     decode = max(after_suffix, budget) + interval if decode_evicts else after_suffix + max_new
-    return min(total, max(held_in_prefill, after_suffix)), min(total, decode)
+    return max(held_in_prefill if replay else 0, min(total, max(held_in_prefill, after_suffix))), min(total, decode)
 
 
 def evicts_in_sliding_layers(policy: Policy, windows: list[int | None]) -> bool:
@@ -86,8 +95,8 @@ def sliding_problem(policy: Policy, windows: list[int | None]) -> str | None:
 
 def window_only(policy: Policy) -> Policy:
     """What a sliding layer runs when the policy leaves it alone: it holds its window, stored as the policy
-    stores entries (quantised, re-indexed)."""
-    return never_evicting(policy.name, policy.quantize, policy.positions)
+    stores entries (quantised, re-indexed, its key channels pruned)."""
+    return never_evicting(policy.name, policy.quantize, policy.positions, channels=policy.channels)
 
 
 def budget_layers(policy: Policy, windows: list[int | None]) -> list[int]:
@@ -112,8 +121,10 @@ def plan_layers(
     suffix: int,
     max_new: int,
     chunk: int,
+    replay: int = 0,
 ) -> list[LayerPlan]:
-    """One plan per decoder layer (``windows``: each layer's sliding window, None for full attention)."""
+    """One plan per decoder layer (``windows``: each layer's sliding window, None for full attention); ``replay``:
+    the longest replay pass the prompt gets (KVzip's), which every layer holds over what it holds of the prompt."""
     problem = sliding_problem(policy, windows)
     if problem:
         raise ValueError(problem)
@@ -131,14 +142,15 @@ def plan_layers(
     for i, window in enumerate(windows):
         b = budgets[i]
         if window is None:
-            plans.append(
-                LayerPlan(b, *plan_capacity(stage, b, context, suffix, max_new, chunk, policy.interval), total)
-            )
+            caps = plan_capacity(stage, b, context, suffix, max_new, chunk, policy.interval, replay)
+            plans.append(LayerPlan(b, *caps, total))
             continue
         hold_cap = plan_capacity("both", window - 1, context, suffix, max_new, chunk)
+        if replay:  # the prompt's window, then a replay pass
+            hold_cap = (max(hold_cap[0], min(context, window - 1) + replay), hold_cap[1])
         if i in evicting and b is not None:
             b = min(b, window - 1)
-            caps = plan_capacity(stage, b, context, suffix, max_new, chunk, policy.interval)
+            caps = plan_capacity(stage, b, context, suffix, max_new, chunk, policy.interval, replay)
             plans.append(LayerPlan(b, min(hold_cap[0], caps[0]), min(hold_cap[1], caps[1]), total, window))
         else:
             plans.append(LayerPlan(None, *hold_cap, total, window, policy=held_window))

@@ -11,6 +11,7 @@ import torch
 from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.measure import latency_summary
 from kvbench.engine.plan import LayerPlan
+from kvbench.engine.replay import Pass
 from kvbench.engine.sampling import DecodeSettings, cut_at_stop
 from kvbench.results.schema import Measures, Timings
 
@@ -73,6 +74,7 @@ class Sequence:
     prefill_shared: bool = False  # its context was prefilled for an earlier request: it fed only its suffix
     stop_reason: str | None = None
     cache: KVCache | None = None  # the cache its lane is in, while it is live
+    replays: list[Pass] = field(default_factory=list)  # the prompt's replay passes (KVzip), fed after it
     sampler: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:

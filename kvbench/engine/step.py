@@ -13,7 +13,18 @@ import torch
 
 from kvbench.stages import Phase, Stage
 
-__all__ = ["Phase", "Stage", "Step"]
+__all__ = ["Phase", "Reconstruction", "Stage", "Step"]
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """A replay pass after the prompt (``policies.inputs.Replay``, KVzip): it repeats the prompt's positions
+    ``start:end``, and its queries' scoring softmax spans the first ``sinks`` positions, those and its own tokens.
+    Its own entries leave the cache when it finishes; it evicts when it is the last pass."""
+
+    start: int
+    end: int
+    sinks: int
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,9 @@ class Step:
     last queries before an eviction) and writes the features of the entries fed since the last one; false in a
     decode step whose lanes all evict more than ``max(history, 1)`` steps later (``Evictor.prepares``).
     ``replay_masks``: masked replay, per layer [rows of the lanes, positions so far] — which positions each row
-    may see (None: what it holds)."""
+    may see (None: what it holds). ``attended``: under a decode-time sparsity (``Policy.sparsity``), each lane's
+    budget of keys a decode query attends (None: every visible key). ``replay``: the step is a replay pass of the
+    prompt (None: it feeds the sequence)."""
 
     lanes: range
     positions: list[list[int]]
@@ -35,6 +48,8 @@ class Step:
     collects: bool
     prepares: bool = True
     replay_masks: list[torch.Tensor] | None = None
+    attended: list[int] | None = None
+    replay: Reconstruction | None = None
 
     def __post_init__(self) -> None:
         if len(self.positions) != len(self.lanes) or len({len(p) for p in self.positions}) != 1:

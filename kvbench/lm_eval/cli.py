@@ -4,7 +4,8 @@ lm-eval finds models only in its own table, so this command imports kvbench's (`
 arguments to lm-eval's parser and runner unchanged, with one addition: lm-eval's synthetic tasks (RULER) read the
 tokenizer to size their prompts from ``--model_args`` or ``--metadata``, and kvbench's ``model=`` names a config,
 not a tokenizer, so the model's own tokenizer is passed as ``tokenizer=`` where neither gives one. The kvbench
-settings are checked first, so a bad one fails before lm-eval loads anything.
+settings are checked first, so a bad one fails before lm-eval loads anything, and a task lm-eval does not know is
+one message, not lm-eval's traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from kvbench.config import ConfigError
 
+UNKNOWN_TASK = "Tasks not found: "  # how lm-eval's task resolution words it (lm_eval/config/evaluate_config.py)
 MISSING_EXTRA = (
     "kvbench-lm-eval needs lm-eval, an optional extra of kvbench: pip install 'kvbench[lm-eval]' "
     "(or bash scripts/setup.sh)"
@@ -63,6 +65,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.execute(args)
     except ConfigError as err:
         print(f"kvbench: {err}", file=sys.stderr)
+        sys.exit(2)
+    except ValueError as err:
+        if not str(err).startswith(UNKNOWN_TASK):
+            raise
+        names = str(err).removeprefix(UNKNOWN_TASK)
+        print(
+            f"kvbench-lm-eval: lm-eval has no task {names}: `kvbench-lm-eval ls tasks` lists the tasks it has "
+            "(a task of your own: --include_path DIR)",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 

@@ -3,8 +3,8 @@
 ``Score`` ranks a layer's held tokens per KV head, ``Scope`` shields some of them from eviction whatever
 their score, ``Allocation`` splits the budget across layers and (optionally) across the heads of a layer.
 The extras compose with any of them: ``merge`` folds evicted entries into kept ones (policies.merge, policies.cam),
-``quantize`` stores kept entries as int8/fp8, ``positions`` chooses absolute RoPE positions or StreamingLLM's
-re-indexing.
+``quantize`` stores kept entries as int8/fp8, ``channels`` keeps some channels of each key (ThinK, policies.channels),
+``positions`` chooses absolute RoPE positions or StreamingLLM's re-indexing.
 
 Named policies only choose the parts (configs/policy/*.yaml).
 """
@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
-from kvbench.policies.inputs import WEIGHTS, Queries
+from kvbench.policies.channels import KeyChannels
+from kvbench.policies.inputs import WEIGHTS, Queries, Replay
 from kvbench.policies.merge import CosineMerge, Merge
 from kvbench.policies.running import RowSum
+from kvbench.policies.sparse import Sparsity
 from kvbench.policies.state import TokenState
 from kvbench.policies.statistics import attention_names
 
@@ -54,6 +56,8 @@ class Score(ABC):
     rope: bool = False
     # True: the score reads every held entry's query, so the prompt must come in one step (``stride`` is refused).
     whole_prompt: bool = False
+    # Replay passes after the prompt, whose attention the score reads (``policies.inputs.Replay``), or None.
+    replay: Replay | None = None
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -86,6 +90,7 @@ DECLARATIONS = (
     "shares_heads",
     "rope",
     "whole_prompt",
+    "replay",
 )
 
 
@@ -201,6 +206,11 @@ class Policy:
     # Decode steps from one eviction to the next (kvpress's DecodingPress ``compression_interval``): between
     # evictions a row grows past its budget by up to ``interval - 1`` entries. 1: every decode step evicts.
     interval: int = 1
+    # Key-channel pruning (ThinK, policies.channels): None keeps every channel.
+    channels: KeyChannels | None = None
+    # Decode-time sparsity (policies.sparse: Quest): which held keys each decode query attends; only with a policy
+    # that never evicts, whose budget then counts attended keys.
+    sparsity: Sparsity | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.merge, bool):
@@ -216,18 +226,46 @@ class Policy:
                 f"allocation={self.allocation.describe()} ranks every layer together, and a merge folds entries "
                 "within one layer; use policy.merge=false"
             )
+        if self.sparsity is not None and self.evicts:
+            raise ValueError(
+                "a sparsity part chooses the keys a full cache's queries attend, and the budget counts them; it "
+                "cannot combine with an evicting score: use score=none"
+            )
         if self.unsupported_stages is None:
-            self.unsupported_stages = tuple(self.score.unsupported_stages) if self.evicts else ()
+            self.unsupported_stages = (
+                self.sparsity.unsupported_stages
+                if self.sparsity is not None
+                else tuple(self.score.unsupported_stages)
+                if self.evicts
+                else ()
+            )
         reads = self.score.queries
         if self.positions == "reindex" and reads is not None and not reads.rope:
             raise ValueError(
                 f"score {type(self.score).__name__} reads the queries before RoPE against keys at their true "
                 "positions, which positions=reindex moves; use positions=absolute"
             )
+        if self.channels is not None:
+            self._check_channels()
         unknown = sorted(set(self.score.weights) - set(WEIGHTS))
         if unknown:
             raise ValueError(
                 f"score {type(self.score).__name__} reads unknown weight(s) {unknown}; known: {sorted(WEIGHTS)}"
+            )
+
+    def _check_channels(self) -> None:
+        """Pruned keys hold some channels of the rotated key: RoPE cannot turn them again, nor meet a query
+        before it."""
+        if self.positions == "reindex":
+            raise ValueError(
+                "channels prunes the rotated keys' channels, and positions=reindex rotates kept keys again, which "
+                "needs every channel; use positions=absolute"
+            )
+        reads = self.score.queries
+        if self.evicts and reads is not None and not reads.rope:
+            raise ValueError(
+                f"score {type(self.score).__name__} reads the queries before RoPE, which need every key channel; "
+                "channels keeps some: use a score that reads none (or policy.channels=null)"
             )
 
     @property
@@ -237,6 +275,12 @@ class Policy:
             return frozenset()
         merging = self.merge.needs if isinstance(self.merge, Merge) else frozenset()
         return self.score.needs | self.scope.needs | merging
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the budget changes what the policy does: it evicts to it, or (a sparsity) attends that many keys
+        per decode query. A policy that is neither (the full cache) ignores it."""
+        return self.evicts or self.sparsity is not None
 
     @property
     def needs_attention(self) -> bool:
@@ -272,6 +316,11 @@ class Policy:
         return self.score.whole_prompt and self.evicts
 
     @property
+    def replay(self) -> Replay | None:
+        """The replay passes the score reads after the prompt (none for a cache that never evicts)."""
+        return self.score.replay if self.evicts else None
+
+    @property
     def row_sums(self) -> tuple[RowSum, ...]:
         """Running per-row sums the layers keep for this policy (none for a cache that never evicts)."""
         return self.score.row_sums if self.evicts else ()
@@ -284,7 +333,7 @@ class Policy:
     @property
     def why_unsupported(self) -> str:
         """Why the unsupported stages are refused (one sentence), for messages."""
-        return self.score.why_unsupported
+        return self.sparsity.why_unsupported if self.sparsity is not None else self.score.why_unsupported
 
     def layer_budgets(self, budget: int, n_layers: int, limit: int | None = None) -> list[int]:
         return self.allocation.layer_budgets(budget, n_layers, limit, self.scope.reserved(budget))

@@ -40,3 +40,24 @@ class Queries:
             raise ValueError(f"queries.ahead={self.ahead} must be >= 0")
         if self.ahead and self.rope:
             raise ValueError("queries.ahead turns the queries before RoPE: it needs rope=False")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A score that ranks the prompt by how its entries serve a reconstruction of it (KVzip): after the prompt,
+    the engine feeds "repeat the previous context" passes, ``chunk`` prompt tokens each, over the whole prompt's
+    cache, inside the prefill; the attention of each pass's queries over the first ``n_sink`` entries, the chunk
+    it repeats and its own tokens gives the chunk's entries their ``replay_max``. ``plus``: each query's
+    probabilities divided by its hidden state's norm and multiplied by ‖W_o v‖ of the query head (KVzip+).
+    ``postfix``: a later pass's instruction ends with the previous chunk's last ``postfix`` tokens."""
+
+    chunk: int = 2048
+    n_sink: int = 4
+    plus: bool = False
+    postfix: int = 8
+
+    def __post_init__(self) -> None:
+        if int(self.chunk) < 1:
+            raise ValueError(f"replay chunk={self.chunk} must be >= 1 token")
+        if int(self.n_sink) < 0 or int(self.postfix) < 0:
+            raise ValueError(f"replay n_sink={self.n_sink} and postfix={self.postfix} must be >= 0")

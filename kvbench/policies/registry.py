@@ -9,9 +9,11 @@ A policy config names its parts and carries their options (every option is a Hyd
     allocation: {kind: uniform}           # uniform | pyramid (beta) | adaptive (floor) | global (floor) | layers
     merge: false                          # true: fold evicted entries into their most similar kept entry; cam
     quantize: none                        # none | int8 | fp8
+    channels: null                        # {kind: think, ratio, window}: key channels pruned (policies.channels)
     positions: absolute                   # absolute | reindex
     sliding_layers: window                # window | evict (hybrid models' sliding layers; see engine.plan)
     interval: 1                           # decode steps from one eviction to the next
+    sparsity: none                        # {kind: quest, page_size, dense_layers}: with score none (policies.sparse)
     prefill: null                         # another policy's config for the prompt (kvbench.policies.phased)
     decode: null                          # another policy's config for decoding
 
@@ -25,12 +27,14 @@ import typing
 from typing import Any, TypeVar
 
 from kvbench.policies.base import Policy, Score
+from kvbench.policies.channels import build_channels
 from kvbench.policies.full import never_evicting
 from kvbench.policies.merge import MERGES, Merge
-from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES
+from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES, SPARSITIES
 from kvbench.policies.phased import PhasedScope, PhasedScore
 from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scores.shared import SharedAcrossHeads
+from kvbench.policies.sparse import Sparsity
 from kvbench.policies.statistics import STATISTICS
 from kvbench.registry import Registry
 from kvbench.tasks.options import describe
@@ -43,15 +47,17 @@ POLICY_KEYS = (
     "allocation",
     "merge",
     "quantize",
+    "channels",
     "positions",
     "sliding_layers",
     "interval",
+    "sparsity",
     "prefill",
     "decode",
 )
 PHASES = ("prefill", "decode")
 # What shapes the cache, the run's for both phases of a policy per phase (the allocation is checked instead).
-CACHE_KEYS = ("merge", "quantize", "positions", "sliding_layers", "interval")
+CACHE_KEYS = ("merge", "quantize", "channels", "positions", "sliding_layers", "interval")
 
 
 def _options(spec: Any) -> dict[str, Any]:
@@ -138,6 +144,13 @@ def build_merge(spec: Any) -> Merge | None:
     return MERGES.get(kind)(**options)
 
 
+def build_sparsity(spec: Any) -> Sparsity | None:
+    """The decode-time sparsity a policy's ``sparsity`` setting names (``kvbench.policies.sparse``), or None."""
+    if spec in (None, False, "none"):
+        return None
+    return _part(SPARSITIES, spec)
+
+
 def build_policy(cfg: dict[str, Any]) -> Policy:
     """``score: none`` means the full cache: nothing is ever evicted (it may still be quantised)."""
     cfg = dict(cfg)
@@ -149,18 +162,30 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         return _per_phase(cfg, phases)
     name = cfg["name"]
     quantize = build_quantizer(cfg.get("quantize"))
+    channels = build_channels(cfg.get("channels"))
     positions = cfg.get("positions") or "absolute"
     merge = build_merge(cfg.get("merge", False))
     sliding = cfg.get("sliding_layers") or "window"
     score_spec = cfg.get("score", "none")
+    sparsity = build_sparsity(cfg.get("sparsity"))
+    if sparsity is not None and channels is not None:
+        raise ValueError(
+            "a decode-time sparsity bounds each page's keys over every channel, and pruned key channels leave some "
+            "out: drop policy.channels or policy.sparsity"
+        )
     if score_spec in (None, "none"):
         if ALLOCATIONS.get(str(_options(cfg.get("allocation") or "uniform").get("kind"))).thresholded:
             raise ValueError(
                 "a threshold keeps the entries whose score reaches it, and score=none has no score: name a base "
                 f"score (policy.score=key_norm, or one of {SCORES.choices()})"
             )
-        return never_evicting(name, quantize, positions, sliding_layers=sliding)
+        return never_evicting(name, quantize, positions, sliding_layers=sliding, channels=channels, sparsity=sparsity)
     score = build_score(score_spec)
+    if channels is not None and score.replay is not None:
+        raise ValueError(
+            "channels chooses key channels from the prompt's last queries, and the score's replay passes feed "
+            "queries after them: drop policy.channels for a replaying score"
+        )
     scope = _part(SCOPES, cfg.get("scope", "all"))
     allocation_spec = _options(cfg.get("allocation") or "uniform")
     allocation = _part(ALLOCATIONS, allocation_spec)
@@ -187,6 +212,8 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
         positions=positions,
         sliding_layers=sliding,
         interval=cfg.get("interval", 1),
+        channels=channels,
+        sparsity=sparsity,
     )
 
 
@@ -228,5 +255,6 @@ def _per_phase(cfg: dict[str, Any], phases: dict[str, Any]) -> Policy:
         positions=prefill.positions,
         sliding_layers=prefill.sliding_layers,
         interval=prefill.interval,
+        channels=prefill.channels,
         unsupported_stages=("prefill", "decode"),
     )

@@ -19,10 +19,10 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from kvbench.report.declared import placed_share
 from kvbench.report.style import is_baseline, sort_policies, sort_stages
 from kvbench.results.schema import (
     BUDGET,
-    BUDGET_ACHIEVED,
     CELL,
     ERROR,
     EXAMPLE_ID,
@@ -117,7 +117,7 @@ def bootstrap(
 
 def _achieved_percent(group: pd.DataFrame) -> float:
     """Mean achieved budget in %, or the requested fraction when the rows do not record it."""
-    achieved = pd.to_numeric(group.get(BUDGET_ACHIEVED, pd.Series(dtype=float)), errors="coerce")
+    achieved = placed_share(group)
     if achieved.notna().any():
         return float(achieved.mean() * 100)
     first = group.iloc[0]

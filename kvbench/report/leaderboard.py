@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.report.aggregate import N_BOOT, context_codes, shares_context
-from kvbench.report.declared import PolicyFacts
+from kvbench.report.declared import PolicyFacts, placed_share
 from kvbench.report.labels import base_name, label_cells
 from kvbench.report.paired import baseline_rows, stratified_bootstrap
 from kvbench.report.style import is_baseline
@@ -91,7 +91,8 @@ def _point(key: tuple, block: pd.DataFrame, facts: Mapping[str, PolicyFacts], n_
     strata = [cell["_value"].to_numpy() for cell in cells]
     clusters = [context_codes(cell[EXAMPLE_ID], shares_context(cell)) for cell in cells]
     mean, low, high = stratified_bootstrap(strata, _rng(seed, key), n_boot, weights=weights, clusters=clusters)
-    per_task = block.groupby(TASK).first().assign(**{BUDGET_ACHIEVED: block.groupby(TASK)[BUDGET_ACHIEVED].mean()})
+    placed = block.assign(**{BUDGET_ACHIEVED: placed_share(block)}).groupby(TASK)[BUDGET_ACHIEVED].mean()
+    per_task = block.groupby(TASK).first().assign(**{BUDGET_ACHIEVED: placed})
     fraction = np.average(kept_fraction(per_task.assign(**{POLICY: key[2]}), facts)[labels], weights=weights)
     return dict(zip(GROUP, key)) | {
         "ratio": 1.0 / fraction,
@@ -131,7 +132,8 @@ def task_points(
     grids = {key for key, size in sizes.items() if size > 1}
     in_grid = [(m, board.get(t, t)) in grids for m, t in zip(cells[MODEL], cells[TASK])]
     cells = cells[~np.asarray(in_grid, dtype=bool)]
-    achieved = ok.groupby([MODEL, TASK, STAGE, POLICY, BUDGET])[BUDGET_ACHIEVED].mean() if len(ok) else None
+    placed = ok.assign(**{BUDGET_ACHIEVED: placed_share(ok)}) if len(ok) else ok
+    achieved = placed.groupby([MODEL, TASK, STAGE, POLICY, BUDGET])[BUDGET_ACHIEVED].mean() if len(ok) else None
     if achieved is not None and len(cells):
         cells[BUDGET_ACHIEVED] = [
             achieved.get(tuple(k), np.nan) for k in cells[[MODEL, TASK, STAGE, POLICY, BUDGET]].values

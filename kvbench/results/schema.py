@@ -57,7 +57,9 @@ class Timings:
 class Measures:
     """What the engine measured for one sequence: budget, cache, memory, time, lengths."""
 
-    budget_tokens: int | None  # the budget in tokens (None: no eviction)
+    # The budget in tokens (None: no eviction). Under a decode-time sparsity (Quest) the keys each decode query
+    # attends, not held ones: such a policy holds every token (docs/budgets.md).
+    budget_tokens: int | None
     # Fraction held, mean over layers: stage=prefill, context tokens kept after prefill / context tokens;
     # otherwise KV tokens held at the end / tokens seen.
     budget_achieved: float
@@ -75,7 +77,7 @@ class Measures:
     budget_achieved_sliding: float | None  # fraction, sliding-window layers
     kv_resident_bytes_full: int | None  # bytes, full-attention layers
     kv_resident_bytes_sliding: int | None  # bytes, sliding-window layers
-    kv_capacity_bytes: int  # bytes of the cache's allocated buffers
+    kv_capacity_bytes: int  # bytes of the cache's allocated buffers (with a sparsity's page bounds for every slot)
     peak_memory_prefill_bytes: int  # bytes, peak during prefill (see peak_memory_kind)
     peak_memory_bytes: int  # bytes, peak over the run (see peak_memory_kind)
     peak_memory_kind: str  # what the peaks measure: CUDA allocations or the process's resident set

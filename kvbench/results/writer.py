@@ -45,15 +45,15 @@ class CellConflict(RuntimeError):
     """The cell directory holds results of a different config."""
 
 
-def semantic_config(config: dict[str, Any], evicts: bool = True) -> dict[str, Any]:
-    """The part of a cell's resolved config that decides its rows. The full cache ignores the budget,
-    so all its budgets share one cell (see ``kvbench.runner.paths.cell_path``)."""
+def semantic_config(config: dict[str, Any], budgeted: bool = True) -> dict[str, Any]:
+    """The part of a cell's resolved config that decides its rows. The full cache ignores the budget (its policy is
+    not ``budgeted``), so all its budgets share one cell (see ``kvbench.runner.paths.cell_path``)."""
     out = {k: v for k, v in config.items() if k not in BOOKKEEPING_KEYS}
     for key in BOOKKEEPING_KEYS:
         group, _, inner = key.partition(".")
         if inner and isinstance(out.get(group), dict):
             out[group] = {k: v for k, v in out[group].items() if k != inner}
-    if not evicts:
+    if not budgeted:
         out.pop("budget", None)
     return out
 
@@ -175,7 +175,7 @@ class CellResults:
     def write_config(self, yaml_text: str) -> None:
         atomic_write(self.config_path, yaml_text)
 
-    def claim(self, config: dict[str, Any], evicts: bool = True) -> None:
+    def claim(self, config: dict[str, Any], budgeted: bool = True) -> None:
         """Record ``config`` as this cell's config, or raise ``CellConflict`` when the rows already here
         were made with a different one (a changed ``task.n`` or ``max_new_tokens``, say): mixing them
         would silently corrupt the cell. Bookkeeping keys (results_dir, tracking, ...) may change."""
@@ -183,7 +183,7 @@ class CellResults:
 
         if self.config_path.exists() and (self.rows_path.exists() or self.summary_path.exists()):
             old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
-            diff = config_differences(semantic_config(old, evicts), semantic_config(config, evicts))
+            diff = config_differences(semantic_config(old, budgeted), semantic_config(config, budgeted))
             if diff:
                 shown = "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "")
                 raise CellConflict(

@@ -57,7 +57,7 @@ def run_cell(
         model=spec.model["name"],
         task=spec.task_id,
         policy=spec.policy.name,
-        budget=spec.budget if spec.policy.evicts else 1.0,
+        budget=spec.budget if spec.policy.budgeted else 1.0,
         stage=spec.stage,
         batch_size=spec.batch_size,
         run_dir=os.path.relpath(cell_dir, cfg.results_dir),
@@ -70,7 +70,7 @@ def run_cell(
     references = store_at(Path(cfg.results_dir) / ".references")
     try:
         with CellResults(cell_dir) as results:
-            results.claim(resolved, evicts=spec.policy.evicts)
+            results.claim(resolved, budgeted=spec.policy.budgeted)
             results.clear_error()
             if results.is_complete():
                 log.info("cell %s is complete; skipping", cell_dir)
@@ -109,7 +109,7 @@ def fill_cell(
             wandb = spec.tracking.get("wandb", {})
             tracker = Tracker(wandb, run_name(cell), results.dir, resolved, cell.sweep, tags=tags)
             left = sum(len(set(expected[ex.id]) - done) for ex in todo)
-            budget = "full" if not spec.policy.evicts else spec.budget  # the full cache ignores the budget
+            budget = "full" if not spec.policy.budgeted else spec.budget  # the full cache ignores the budget
             progress = tqdm(total=left, desc=f"{spec.policy.name} {spec.stage} budget={budget}", leave=False)
             for ex, outcome in example_outcomes(lm, task, spec, todo, rendered, references, done):
                 row = Row(cell, ex.id, KIND_EXAMPLE, outcome, origin)

@@ -82,12 +82,16 @@ def assert_within_budget(
     where: str,
     interval: int = 1,
     pools_layers: bool = False,
+    replays: bool = False,
 ) -> None:
     """After every step that evicts, no row holds more than the allocation gives: in all, layers × budget per
     head (pyramid and per-layer budgets differ by layer), or heads × budget per layer under per-head allocation,
     or layers × heads × budget for the sequence under a global one; a decode step may hold up to
-    ``interval - 1`` more, the growth between evictions."""
+    ``interval - 1`` more, the growth between evictions. ``replays`` (KVzip): the prompt is evicted once, by its
+    last replay pass, whose kept sets are the trace's entry for the prompt's last chunk."""
     first = {"prefill": 0, "decode": chunks + interval - 1, "both": 0}[stage]  # stage=decode: from its first eviction
+    if replays:
+        first = max(first, chunks - 1)
     last = chunks if stage == "prefill" else len(g.trace)
     for index in range(first, last):
         step = g.trace[index]
@@ -192,7 +196,15 @@ def check_batch(
             chunks = -(-len(r.input_ids) // (stride or len(r.input_ids)))
             allocation = policy.allocation
             assert_within_budget(
-                b, heads, allocation.per_head, stage, chunks, where, policy.interval, allocation.pools_layers
+                b,
+                heads,
+                allocation.per_head,
+                stage,
+                chunks,
+                where,
+                policy.interval,
+                allocation.pools_layers,
+                policy.replay is not None,
             )
     return batched
 

@@ -45,6 +45,8 @@ def alone(context, questions, **settings) -> list[Request]:
         ("streamingllm", "prefill", 0.4),
         ("h2o", "decode", 0.5),
         ("snapkv", "both", 30),
+        ("think", "prefill", 1.0),  # key channels pruned once the context is in, the questions' keys alike
+        ("think_snapkv", "both", 30),
     ],
 )
 def test_each_question_equals_its_own_run_and_the_context_is_prefilled_once(

@@ -62,6 +62,18 @@ def test_the_command_refuses_bad_settings_with_exit_2(
     assert err.startswith("kvbench: ") and "snapkv" in err
 
 
+def test_a_task_lm_eval_does_not_know_is_one_message_before_the_model_loads(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["kvbench-lm-eval"])
+    argv = ["run", "--model", "kvbench", "--model_args", "model=tiny-llama", "--tasks", "no_such_task"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbench-lm-eval: lm-eval has no task no_such_task") and "ls tasks" in err
+
+
 def test_without_lm_eval_the_command_names_the_extra(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -101,13 +101,18 @@ def generate_variants(family: str) -> list[tuple[str, dict]]:
         variants += [(name, {"sliding_layers": "evict"}) for name in ("h2o", "tova", "snapkv", "adakv", "window")]
     if family not in NO_ROPE:  # kept keys re-rotated in the family's own RoPE layout (per layer where it differs)
         variants += [(name, {"positions": "reindex"}) for name in ("streamingllm", "h2o", "adakv")]
+    # Quest leaves its first two layers dense, which are most of a tiny model's: here every layer chooses pages.
+    variants.append(("quest", {"sparsity": NAMED["quest"]["sparsity"] | {"dense_layers": 0, "page_size": 4}}))
     return variants
 
 
-# Every policy that evicts (a new policy config is replayed without an entry here), except those that merge: they
-# change the values they keep, which a mask cannot replay (tests/policies/test_cam.py checks each merge instead).
+# Every policy that evicts (a new policy config is replayed without an entry here), except those that merge or prune
+# key channels: they change the values or keys they keep, which a mask cannot replay (tests/policies/test_cam.py
+# checks each merge instead, tests/policies/test_think.py the pruned channels against eager attention zeroing them).
 REPLAYED = [
-    name for name, cfg in NAMED.items() if cfg.get("score", "none") not in (None, "none") and not cfg.get("merge")
+    name
+    for name, cfg in NAMED.items()
+    if cfg.get("score", "none") not in (None, "none") and not cfg.get("merge") and not cfg.get("channels")
 ]
 
 

@@ -236,3 +236,22 @@ def test_the_ratio_axis_takes_ratios_of_object_dtype() -> None:
     low, high = ax.get_xlim()
     assert low < 2 and 64 < high
     plt.close(fig)
+
+
+def test_quest_cells_sit_at_the_share_of_keys_each_query_attends(tmp_path: Path) -> None:
+    """Quest holds every token (budget_achieved 1.0) and attends its budget: a 64-token budget over 256 tokens is
+    placed at 4×, where h2o holding a quarter is, not at the full cache's 1×."""
+    rows = []
+    for policy, achieved in (("quest", 1.0), ("h2o", 0.25)):
+        for task, scores in SCORES["h2o"].items():
+            for i, s in enumerate(scores):
+                row = example(policy, 64, s, i, task, achieved, "decode")
+                rows.append(row | {"budget_tokens": 64, "seen_tokens": 256})
+    rows = load_rows([write(tmp_path / "s", rows)]).rows
+    column, _ = quality_column(rows, None)
+    stats = cell_stats(rows, [column], 50)
+    facts = policy_facts(rows)
+    assert facts["quest"].sparse and not facts["h2o"].sparse
+    assert stats.set_index("policy")["x"].to_dict() == {"quest": pytest.approx(25.0), "h2o": pytest.approx(25.0)}
+    points = pd.concat([task_points(rows, column, facts, stats), mean_points(rows, column, facts, 50)])
+    assert points["ratio"].to_numpy() == pytest.approx(4.0)

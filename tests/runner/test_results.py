@@ -170,11 +170,11 @@ def test_the_cell_config_is_pinned(tmp_path):
 def test_the_full_cache_ignores_the_budget(tmp_path):
     full = {**CONFIG, "policy": {"name": "full"}}
     with CellResults(tmp_path) as cell:
-        cell.claim(full, evicts=False)
+        cell.claim(full, budgeted=False)
         cell.append(row(0))
     with CellResults(tmp_path) as cell:
-        cell.claim({**full, "budget": 0.25}, evicts=False)
-    assert "budget" not in semantic_config(full, evicts=False)
+        cell.claim({**full, "budget": 0.25}, budgeted=False)
+    assert "budget" not in semantic_config(full, budgeted=False)
     assert semantic_config(full)["budget"] == 0.5 and "results_dir" not in semantic_config(full)
     cached = semantic_config({**full, "model": {"name": "m", "cache_dir": "/c", "dtype": "auto"}})
     assert cached["model"] == {"name": "m", "dtype": "auto"}  # where weights are cached is not what a row means

@@ -39,6 +39,18 @@ def test_cell_writes_measured_rows_and_summary(tmp_path):
     assert (cell / "config.yaml").read_text().count("streamingllm") >= 1
 
 
+def test_a_quest_cell_keeps_its_budget_and_says_it_holds_everything(tmp_path):
+    """Quest evicts nothing, but its budget decides what it attends: the cell and its rows keep the budget asked
+    for (the full cache's would read 1.0), and the rows say every token was held."""
+    summary = run_cell(cfg(TINY + ["policy=quest", "stage=decode", "budget=0.25"]), tmp_path / "cell", "t")
+    rows = read_rows(tmp_path / "cell" / "rows.jsonl")
+    assert summary["budget"] == 0.25 and summary["n_ok"] == 3
+    for r in rows:
+        assert r["budget"] == 0.25 and r["budget_tokens"] == -(-(r["prompt_tokens"] + 4) // 4)
+        assert r["budget_achieved"] == 1.0 and r["kept_tokens"] == r["seen_tokens"]
+        assert 0 < r["kv_resident_bytes"] <= r["kv_capacity_bytes"]
+
+
 def test_rerun_skips_finished_examples(tmp_path, monkeypatch):
     cell = tmp_path / "cell"
     config = cfg(TINY + ["policy=window", "budget=0.5"])

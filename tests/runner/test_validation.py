@@ -218,6 +218,19 @@ CASES = [
         ["policy=h2o", "+policy.scope.windw=1"],
         "policy=h2o: scope 'sinks_window' has no option windw; its options are n_sink, window",
     ),
+    # Key channels (ThinK): a ratio that keeps no channel, reindexed keys, queries read before RoPE.
+    (
+        ["policy=think", "policy.channels.ratio=1"],
+        "policy=think: channels.ratio=1 must be at least 0 and below 1 (the share of key channels pruned; 1 keeps no",
+    ),
+    (
+        ["policy=think", "policy.positions=reindex"],
+        "policy=think: channels prunes the rotated keys' channels, and positions=reindex rotates kept keys again",
+    ),
+    (
+        ["policy=expected_attention", "policy.channels={kind:think,ratio:0.5}"],
+        "policy=expected_attention: score ExpectedAttention reads the queries before RoPE, which need every key",
+    ),
     (
         ["policy=h2o", "policy.interval=0"],
         "policy.interval=0 must be a positive integer (decode steps from one eviction to the next; 1: every step)",
@@ -268,6 +281,35 @@ CASES = [
     (["policy=simlayerkv", "policy.score.lazy_threshold=1.5"], "lazy_threshold=1.5 must be in (0, 1]"),
     (["policy=simlayerkv", "policy.score.n_recent=-8"], "n_recent=-8 must be >= n_last=1"),
     (["policy=simlayerkv", "policy.score.n_initial=-1"], "n_initial=-1 must be >= 0 sink tokens"),
+    # Quest chooses the keys each decode query attends and never evicts: the prompt is attended in full.
+    (["policy=quest", "stage=prefill"], "policy=quest cannot run in stage=prefill; use stage in ['decode']"),
+    (["policy=quest", "stage=both"], "policy=quest cannot run in stage=both; use stage in ['decode']"),
+    (
+        ["policy=quest", "stage=decode", "policy.sparsity.page_size=0"],
+        "policy=quest: sparsity.page_size=0 must be a positive integer (keys per page; 16)",
+    ),
+    (["policy=quest", "stage=decode", "policy.sparsity.page_size=2.5"], "sparsity.page_size=2.5 must be an integer"),
+    (
+        ["policy=quest", "stage=decode", "policy.sparsity.dense_layers=-1"],
+        "policy=quest: sparsity.dense_layers=-1 must be an integer >= 0",
+    ),
+    (
+        ["policy=quest", "stage=decode", "policy.channels={kind:think,ratio:0.5}"],
+        "policy=quest: a decode-time sparsity bounds each page's keys over every channel",
+    ),
+    (
+        ["policy=h2o", "stage=decode", "policy.sparsity=quest"],
+        "policy=h2o: a sparsity part chooses the keys a full cache's queries attend, and the budget counts them; it "
+        "cannot combine with an evicting score: use score=none",
+    ),
+    # KVzip replays the prompt once, after it is fed: nothing to replay in the decode phase.
+    (["policy=kvzip", "stage=decode"], "policy=kvzip cannot run in stage=decode; use stage in ['prefill']"),
+    (["policy=kvzip_plus", "stage=both"], "policy=kvzip_plus cannot run in stage=both; use stage in ['prefill']"),
+    (["policy=kvzip", "policy.score.chunk=0"], "replay chunk=0 must be >= 1 token"),
+    (
+        ["policy=kvzip", "policy.channels={kind:think,ratio:0.5}"],
+        "policy=kvzip: channels chooses key channels from the prompt's last queries",
+    ),
     (
         ["policy=profiled/headkv"],
         "allocation scores 'results/profile_example/tiny-llama/retrieval/retrieval_heads.json' is not a file",
@@ -382,9 +424,11 @@ def test_refused_inputs_doc_is_current(cli):
 
 
 def generic(message: str) -> str:
-    """``message`` with each registry's list of names replaced by what it lists."""
+    """``message`` with each registry's list of names replaced by what it lists (a registry of one name has no
+    list: its name is a word of other messages too)."""
     for registry in registries():
-        message = message.replace(registry.choices(), f"<the registered {registry.what}s>")
+        if len(registry.names()) > 1:
+            message = message.replace(registry.choices(), f"<the registered {registry.what}s>")
     return message
 
 

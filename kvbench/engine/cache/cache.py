@@ -196,12 +196,24 @@ class KVCache(Cache):
         return self._rows[lanes]
 
     def finish(self, step: Step) -> None:
-        """Evict every row over its budget and trim sliding layers to their window (``Evictor``)."""
+        """Evict every row over its budget and trim sliding layers to their window (``Evictor``); a replay pass's
+        own entries leave first."""
+        if step.replay is not None and self.feeding is not None:
+            self.allocated.drop(step.lanes.start, step.lanes.stop, self.feeding.slots)
         self.evictor.evict(self.allocated, self.stores(), step)
         self.inputs.queries[:] = [None] * len(self.inputs.queries)  # read by this step's eviction only
         self.step, self.model_positions, self.feeding = None, None, None
         for layer in self.kv_layers:
             layer.finish()
+
+    def prune_channels(self) -> None:
+        """The context is in: every layer keeps the key channels ``policy.channels`` chooses (``CacheLayer.
+        prune_channels``), and the running sums the policy reads are summed again over what is now kept."""
+        for layer in self.kv_layers:
+            layer.prune_channels()
+        e = self.allocated
+        if e.row_sums is not None:
+            e.row_sums.rebuild(e.occupied, e.slots_used)
 
     def layer_state(self, layer: int, lane: int = 0) -> TokenState:
         """What decoder layer ``layer`` of the sequence in ``lane`` holds, as its policy ranks it."""
@@ -231,22 +243,46 @@ class KVCache(Cache):
         if self.entries is None:
             return CacheStats([0.0] * len(self.layers), 0, 0, [0] * len(self.layers))
         e = self.entries
-        counts = e.lengths[:, e.row_range(lane, lane + 1)].sum(dim=1).tolist()
-        resident = [c * layer.store.row_bytes() for c, layer in zip(counts, self.kv_layers)]
+        lengths = e.lengths[:, e.row_range(lane, lane + 1)]
+        counts = lengths.sum(dim=1).tolist()
+        beside = self._sparsity_bytes(lengths).sum(dim=1).tolist()
+        resident = [
+            c * layer.store.row_bytes() + e.heads * layer.store.index_bytes() + b
+            for c, b, layer in zip(counts, beside, self.kv_layers)
+        ]
+        capacities = torch.tensor([[layer.store.capacity] * e.heads for layer in self.kv_layers], device=self.device)
         return CacheStats(
             kept_per_layer=[c / e.heads for c in counts],
             resident_bytes=sum(resident),
-            capacity_bytes=sum(layer.store.capacity_bytes() for layer in self.kv_layers) // self.lanes,
+            capacity_bytes=sum(layer.store.capacity_bytes() for layer in self.kv_layers) // self.lanes
+            + int(self._sparsity_bytes(capacities).sum()),
             resident_per_layer=resident,
         )
 
     def held_by_lane(self, lanes: range) -> list[tuple[int, float]]:
         """What each of the lanes holds: resident bytes, and entries per row (mean over layers and KV heads)."""
         e = self.allocated
-        counts = e.lengths[:, e.row_range(lanes.start, lanes.stop)].view(e.layers, len(lanes), e.heads).sum(dim=2)
+        lengths = e.lengths[:, e.row_range(lanes.start, lanes.stop)]
+        counts = lengths.view(e.layers, len(lanes), e.heads).sum(dim=2)
+        beside = self._sparsity_bytes(lengths).view(e.layers, len(lanes), e.heads).sum(dim=(0, 2))
         row_bytes = torch.tensor([layer.store.row_bytes() for layer in self.kv_layers], device=self.device)
-        resident, entries = torch.stack([(counts * row_bytes.unsqueeze(1)).sum(dim=0), counts.sum(dim=0)]).tolist()
+        index = sum(e.heads * layer.store.index_bytes() for layer in self.kv_layers)  # each row's kept channels
+        held = (counts * row_bytes.unsqueeze(1)).sum(dim=0) + beside + index
+        resident, entries = torch.stack([held, counts.sum(dim=0)]).tolist()
         return [(b, n / (e.layers * e.heads)) for b, n in zip(resident, entries)]
+
+    def _sparsity_bytes(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Bytes a decode-time sparsity (Quest's page bounds) keeps beside rows holding ``lengths`` [layers, r]
+        entries, per row [layers, r]; zero in the layers it leaves dense."""
+        out = torch.zeros_like(lengths)
+        if self.shapes is None:
+            return out
+        element = self.shapes.dtype.itemsize
+        for i, layer in enumerate(self.kv_layers):
+            sparsity = layer.policy.sparsity
+            if sparsity is not None and sparsity.applies(i):
+                out[i] = sparsity.metadata_bytes(lengths[i], self.shapes.k_dim, element)
+        return out
 
     def kept_positions(self, lane: int = 0) -> list[torch.Tensor]:
         """Per layer, the absolute positions each KV head of the lane holds, [heads, kept]."""

@@ -118,6 +118,15 @@ class Entries:
             )
         return slots, self.slots_used[:], gapless
 
+    def drop(self, lo: int, hi: int, slots: torch.Tensor) -> None:
+        """Free the entries a step just wrote in lanes ``lo:hi`` (``slots`` [layers, r, q], each row's newest q),
+        as if it had never fed them: a replay pass leaves the prompt's rows as they were."""
+        flat, q = self.flat_rows(lo, hi).reshape(-1), slots.shape[2]
+        self._free(flat, slots.reshape(flat.shape[0], q))
+        self.lengths[:, self.row_range(lo, hi)] -= q
+        if q > 1:  # a chunk's entries went right after every row's last slot: those slots are free again
+            self.slots_used = [s - q for s in self.slots_used]
+
     # -- eviction ------------------------------------------------------------------------------------------
     def gather_rows(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Rows ``rows`` (flat indices, None: all) of a [layers, rows, ...] tensor, as [r, ...]."""

@@ -88,7 +88,8 @@ class Evictor:
         """Evict every row of the step's lanes over its budget (when the step evicts) and trim sliding layers to
         their window; a prompt chunk's evicted layers are then packed again."""
         for lane, positions in zip(step.lanes, step.positions):
-            self.seen[lane] = positions[-1] + 1
+            if step.replay is None:  # a replay pass's tokens are not the sequence's
+                self.seen[lane] = positions[-1] + 1
         self.phase = step.phase
         due = self.due(step)
         e, lo, hi = entries, step.lanes.start, step.lanes.stop

@@ -64,6 +64,10 @@ class CacheLayer(CacheLayerMixin):
         self.visible: torch.Tensor | None = None
         self.key_positions: torch.Tensor | None = None
         self.feeding: Feeding | None = None
+        # Under ``policy.channels``, until the context is in: the squares of its last queries [heads, <= window, D].
+        self.window_queries: torch.Tensor | None = None
+        # A replay pass's queries' hidden-state norms [q], where its score reads them (``engine.replay``).
+        self.hidden_norm: torch.Tensor | None = None
 
     def attach(self, store: KVStore, entries: Entries) -> None:
         """The layer's K/V buffers and the cache's bookkeeping, allocated once their shapes are known."""
@@ -108,7 +112,8 @@ class CacheLayer(CacheLayerMixin):
         stored = key_states
         if self.rotary is not None:
             stored = self.rotary.unrotate(key_states, feeding.model_positions.unsqueeze(1))
-        store.write(rows, slots, stored.reshape(b * h, q, -1), value_states.reshape(b * h, q, -1))
+        stored = store.narrow(rows, stored.reshape(b * h, q, -1))
+        store.write(rows, slots, stored, value_states.reshape(b * h, q, -1))
         if feeding.step.collects:  # no later eviction reads what a step that does not collect writes
             if self.policy.feature_names:
                 self._unfeatured.append((rows.repeat_interleave(q), slots.reshape(-1)))
@@ -183,6 +188,8 @@ class CacheLayer(CacheLayerMixin):
                 column = e.table[layer, rr, : value.shape[-1], e.columns.index(name)]
                 if STATISTICS[name].fold == "replace":
                     column.copy_(value)
+                elif STATISTICS[name].fold == "max":
+                    torch.maximum(column, value, out=column)
                 else:
                     column += value
         if e.log is not None and "qlog" in stats:
@@ -195,6 +202,47 @@ class CacheLayer(CacheLayerMixin):
                 k = logged.shape[1]
                 places = [p % w for p in feeding.step.positions[0][-k:]]
                 e.log.append(flat, logged, stats["qlog_nvis"], places, [])
+
+    # -- key channels (policy.channels) -----------------------------------------------------------------------
+    def note_queries(self, query: torch.Tensor) -> None:
+        """A context chunk's queries [1, heads, q, D], as attention saw them: the squares of the last ``window``
+        so far are what ``prune_channels`` scores the channels with."""
+        channels = self.policy.channels
+        assert channels is not None, "only a layer that prunes channels notes its queries"
+        squares = query[0, :, -channels.window :].to(torch.float32).square()
+        held = self.window_queries
+        joined = squares if held is None else torch.cat([held, squares], dim=1)
+        self.window_queries = joined[:, -channels.window :]
+
+    def prune_channels(self) -> None:
+        """The context is in (one lane): each row keeps the key channels ``policy.channels`` ranks highest by the
+        noted queries' mean square (over the window, then the GQA group) times the held keys' mean square."""
+        channels, noted = self.policy.channels, self.window_queries
+        assert channels is not None and noted is not None, "a layer prunes after noting the context's queries"
+        e, layer, store = self.entries, self.layer_idx, self.store
+        n = e.slots_used[layer]
+        keys, _ = store.read(0, e.rows, n)
+        held = e.occupied[layer, :, :n].unsqueeze(-1)
+        key_energy = (keys.to(torch.float32).square() * held).sum(dim=1) / held.sum(dim=1).clamp_min(1)
+        heads, _, dim = noted.shape
+        query_energy = noted.mean(dim=1).view(e.rows, heads // e.rows, dim).mean(dim=1)
+        store.prune(channels.keep(channels.scores(query_energy, key_energy)))
+        self.window_queries = None
+        if self.policy.feature_names:  # features of the held keys, as they are now kept
+            rows, slots = e.occupied[layer, :, :n].nonzero(as_tuple=True)
+            self._unfeatured.append((rows, slots))
+            self.write_features()
+
+    def narrow_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """The step's queries [B, heads, q, D] on their KV head's kept key channels [B, heads, q, kept]."""
+        kept = self.store.channels
+        assert kept is not None, "queries are narrowed to a pruned store's channels"
+        lanes = self.current.step.lanes
+        b, hq, q, _ = query.shape
+        h = self.entries.heads
+        at = kept[lanes.start * h : lanes.stop * h].to(torch.long).view(b, h, 1, 1, -1)
+        narrowed = query.view(b, h, hq // h, q, -1).gather(-1, at.expand(-1, -1, hq // h, q, -1))
+        return narrowed.view(b, hq, q, -1)
 
     def _wrapped(self, w: int) -> list[int]:
         """Rows (counted from the step's first) whose query-log ring wraps with this decode step."""

@@ -48,6 +48,15 @@ class RowSums:
             part = None if mask is None else mask[start:end]
             self._fold(layer, rows[start:end] - layer * self.rows, slots[start:end], part, -1)
 
+    def rebuild(self, occupied: torch.Tensor, slots_used: list[int]) -> None:
+        """Every sum again from the entries held (``occupied`` [layers, rows, capacity]), as the stores now keep them
+        (after their key channels were pruned: a key's sum has the kept channels' width)."""
+        self.sums.clear()
+        for layer, n in enumerate(slots_used):
+            local = torch.arange(self.rows, device=self.device)
+            slots = torch.arange(n, device=self.device).expand(self.rows, n)
+            self._fold(layer, local, slots, occupied[layer, :, :n], 1)
+
     def read(self, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The sums of flat rows ``rows`` (None: all), as float32 [r, F] by name."""
         return {

@@ -2,7 +2,8 @@
 
 An entry keeps its slot until it is evicted, so a decode step writes only the new entries and never moves the
 held ones; the row's order (which slot holds its j-th entry) is bookkeeping (``entries.Entries``). Quantised
-storage (``policy.quantize``) keeps int8/fp8 codes with a float32 scale per entry; reads dequantise.
+storage (``policy.quantize``) keeps int8/fp8 codes with a float32 scale per entry; reads dequantise. Pruned key
+channels (``policy.channels``, ``prune``) leave the keys [rows, capacity, kept] and each row's channel index.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class KVStore:
         store = dtype if quantizer is None else quantizer.storage_dtype
         self.k = torch.zeros(rows, capacity, k_dim, dtype=store, device=device)
         self.v = torch.zeros(rows, capacity, v_dim, dtype=store, device=device)
+        self.channels: torch.Tensor | None = None  # after ``prune``: each row's kept key channels, int16 [rows, kept]
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if quantizer is not None:
@@ -71,6 +73,21 @@ class KVStore:
                 c, s = self.quantizer.quantize(x)
                 codes.view(-1, codes.shape[-1]).index_copy_(0, at, c)
                 scales.view(-1, 1).index_copy_(0, at, s)
+
+    def prune(self, channels: torch.Tensor) -> None:
+        """Keep only key channels ``channels`` [rows, kept] (ascending) of each row, for every entry held and to come
+        (new keys come narrowed: ``narrow``). Codes are narrowed as they are: an entry's scale still bounds them."""
+        rows, capacity, _ = self.k.shape
+        at = channels.to(torch.long).unsqueeze(1).expand(rows, capacity, -1)
+        self.k = self.k.gather(2, at).contiguous()
+        self.channels = channels.to(torch.int16)
+
+    def narrow(self, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Keys [r, q, D] of rows ``rows`` [r] as this store keeps them: their rows' kept channels (all, unpruned)."""
+        if self.channels is None:
+            return keys
+        at = self.channels.index_select(0, rows).to(torch.long).unsqueeze(1).expand(-1, keys.shape[1], -1)
+        return keys.gather(2, at)
 
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         if self.quantizer is None:
@@ -110,6 +127,11 @@ class KVStore:
 
     def copy_rows(self, source: KVStore, src: slice, dst: slice, n: int) -> None:
         """Slots ``0:n`` of ``source``'s rows ``src`` into this store's rows ``dst``."""
+        if source.channels is not None:
+            if self.channels is None:  # a first lane from a pruned cache: the rows take its width
+                self.prune(source.channels.new_zeros(self.k.shape[0], source.channels.shape[1]))
+            assert self.channels is not None, "pruned just above"
+            self.channels[dst] = source.channels[src]
         for mine, theirs in zip(self.tensors(), source.tensors()):
             mine[dst, :n] = theirs[src, :n]
 
@@ -117,5 +139,10 @@ class KVStore:
         """Bytes one entry (one token of one KV head) holds: K and V, plus their scales when quantised."""
         return sum(t.shape[-1] * t.element_size() for t in self.tensors())
 
+    def index_bytes(self) -> int:
+        """Bytes one row holds besides its entries: its kept key channels' index (none while unpruned)."""
+        return 0 if self.channels is None else self.channels.shape[1] * self.channels.element_size()
+
     def capacity_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        index = 0 if self.channels is None else self.channels.numel() * self.channels.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors()) + index

@@ -10,7 +10,8 @@ declarations of each kind (``engine/attention.py`` for a decode step, ``engine/b
 - ``Logged``: the rows of the most recent queries, kept in a ring by the cache (``qlog``, see ``Score.history``).
 
 Besides those, ``FromPositions`` statistics are computed from positions when a view is built (``count``) and
-``Merged`` ones are written by merging (``mass``). Every attention statistic is per KV head: a GQA group's query
+``Merged`` ones are written by merging (``mass``), and ``Replayed`` ones by the prompt's replay passes
+(``replay_max``, KVzip's). Every attention statistic is per KV head: a GQA group's query
 heads are reduced by the mean of their probabilities before anything is reduced over queries.
 
 What an entry holds that is fixed when it is written (a norm of its key or value) is not a statistic but a
@@ -30,6 +31,7 @@ from kvbench.policies.statistics.declared import (
     Latest,
     Logged,
     Merged,
+    Replayed,
     Statistic,
     Summed,
     attention_names,
@@ -47,6 +49,7 @@ __all__ = [
     "Latest",
     "Logged",
     "Merged",
+    "Replayed",
     "Statistic",
     "Summed",
     "attention_names",

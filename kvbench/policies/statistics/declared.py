@@ -13,8 +13,9 @@ import torch
 @dataclass(frozen=True)
 class Statistic:
     """``name``: what parts list in ``needs``; ``meaning``: one line for the docs and messages. ``source``: who
-    computes it (the attention kernels, the view from positions, merging); ``fold``: how a step's value joins
-    the entry's column ("sum": added, "replace": overwritten, "log": the query log's ring, "none": not stored)."""
+        computes it (the attention kernels, the view from positions, merging); ``fold``: how a step's value joins
+        the entry's column ("sum": added, "replace": overwritten, "max": the larger kept, "log": the query log's ring,
+    "none": not stored)."""
 
     name: str
     meaning: str
@@ -24,7 +25,7 @@ class Statistic:
     @property
     def stored(self) -> bool:
         """Kept as one column per entry."""
-        return self.fold in ("sum", "replace")
+        return self.fold in ("sum", "replace", "max")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,15 @@ class Logged(Statistic):
     """The rows of the most recent ``Score.history`` queries, as the score's ``log_rows`` shapes them."""
 
     fold = "log"
+
+
+@dataclass(frozen=True)
+class Replayed(Statistic):
+    """Computed by the prompt's replay passes (``Score.replay``, ``engine/replay.py``), not by the attention of
+    the fed tokens: the largest over the reconstruction queries of what they give the entry."""
+
+    source = "replay"
+    fold = "max"
 
 
 @dataclass(frozen=True)
