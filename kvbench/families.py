@@ -118,10 +118,20 @@ def layer_windows(config: Any) -> list[int | None]:
     return [window] * n
 
 
+def kv_heads(config: Any) -> int:
+    """The model's KV heads per layer (its query heads where the config names no GQA)."""
+    config = text_config(config)
+    for name in ("num_key_value_heads", "num_attention_heads", "n_head"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise ValueError(f"{type(config).__name__} names no attention head count")
+
+
 def policy_problem(config: Any, policy: Any) -> str | None:
     """Why this policy cannot run exactly on this model (a family that bypasses the attention interface,
     re-indexed positions or pre-RoPE queries without a RoPE kvbench can undo, merging inside sliding layers, a
-    per-layer budget list of another length than the layers under the budget), or None."""
+    per-layer budget list of another length than the layers under the budget, per-head weights measured on a
+    model of other layer or head counts), or None."""
     from kvbench.engine.plan import layers_problem, sliding_problem
     from kvbench.policies.positions import QUERIES_BEFORE_ROPE, reindex_refusal, rope_refusal
 
@@ -131,4 +141,7 @@ def policy_problem(config: Any, policy: Any) -> str | None:
     if problem is None and policy.queries is not None and not policy.queries.rope:
         problem = rope_refusal(config, None, *QUERIES_BEFORE_ROPE)
     windows = layer_windows(config)
-    return problem or sliding_problem(policy, windows) or layers_problem(policy, windows)
+    problem = problem or sliding_problem(policy, windows) or layers_problem(policy, windows)
+    if problem is None and policy.evicts:
+        problem = policy.allocation.heads_problem(len(windows), kv_heads(config))
+    return problem

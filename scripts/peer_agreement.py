@@ -222,6 +222,19 @@ METHODS: dict[str, Method] = {
             Method("ThinKPress", "think", {"key_channel_compression_ratio": 0.5, "window_size": 32}, channels=True),
         ),
     ),
+    # kvpress's on-the-fly head scores, calibrated on the prompt itself (scripts/peer_kvpress_side.py), against
+    # duoattention.yaml's defaults (kvpress's on-the-fly sink and window sizes, half the heads streaming).
+    "duoattention": Method(
+        "DuoAttentionPress", "duoattention", {"head_compression_ratio": 0.5, "on_the_fly_scoring": True}, adaptive=True
+    ),
+    # Three quarters of the heads streaming: the ranking's lower end agrees too.
+    "duoattention_75": Method(
+        "DuoAttentionPress",
+        "duoattention",
+        {"head_compression_ratio": 0.75, "on_the_fly_scoring": True},
+        {"score.head_ratio": 0.75},
+        adaptive=True,
+    ),
 }
 
 

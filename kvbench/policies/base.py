@@ -171,6 +171,16 @@ class Allocation:
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
         return mask if valid is None else mask & valid
 
+    def keep_rows(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
+        """The keep mask of a view's rows: ``keep`` on their scores. An allocation whose split depends on which
+        (layer, KV head) each row is (``headkv``'s saved per-head weights) reads ``state.row_keys`` instead."""
+        return self.keep(scores, state.valid, budget, state.units)
+
+    def heads_problem(self, n_layers: int, kv_heads: int) -> str | None:
+        """Why this allocation cannot serve a model of ``n_layers`` layers of ``kv_heads`` KV heads (per-head
+        weights measured on another model), or None; asked from the model's config before any weights load."""
+        return None
+
     def describe(self) -> str:
         return "uniform"
 
@@ -349,12 +359,12 @@ class Policy:
 
     def kept_by(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
         """What the scope and allocation keep when ``scores`` rank the entries, bool [H, n]."""
-        return self.allocation.keep(self.ranked(scores, state, budget), state.valid, budget, state.units)
+        return self.allocation.keep_rows(self.ranked(scores, state, budget), state, budget)
 
     def keep_mask(self, state: TokenState, budget: int) -> torch.Tensor:
         """Bool [H, n]: what each head keeps. ``budget`` is the per-head budget (the average, under
         per-head allocation: the layer keeps ``heads × budget`` entries in all)."""
-        return self.allocation.keep(self.scored(state, budget), state.valid, budget, state.units)
+        return self.allocation.keep_rows(self.scored(state, budget), state, budget)
 
     def partition(self, state: TokenState, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Heads sharing one length (uniform allocation within the layer): the indices each keeps, [kv_heads,

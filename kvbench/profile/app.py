@@ -1,5 +1,6 @@
 """``kvbench-profile``: the attention profile of a model on a task's prompts, and the oracle consistency of every
-score and policy, e.g. ``kvbench-profile model=smollm2-135m task=xsum task.n=20``.
+score and policy, e.g. ``kvbench-profile model=smollm2-135m task=xsum task.n=20``; with ``mode=retrieval_heads``,
+the retrieval-head scores ``allocation=headkv`` reads (``kvbench.profile.retrieval_heads``).
 
 Per example: the task's prompt (its context, what a ``stage=prefill`` policy compresses), a greedy continuation
 from the full cache (the task's suffix, then up to ``max_new_tokens`` generated tokens), and one profiled forward
@@ -25,11 +26,12 @@ from kvbench.config.schema import ModelConfig, PolicyConfig
 from kvbench.config.validate import check_model, check_task, plain
 from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.families import layer_windows, policy_problem
-from kvbench.models import load_config, load_model
+from kvbench.models import load_config, load_model, load_tokenizer
 from kvbench.policies.base import Policy
 from kvbench.policies.full import never_evicting
 from kvbench.policies.parts import SCORES
 from kvbench.policies.registry import build_policy
+from kvbench.profile import retrieval_heads
 from kvbench.profile.collect import record
 from kvbench.profile.consistency import bare_scores, layer_budgets, measurable_scores, unmeasurable
 from kvbench.profile.summary import Profile, candidate_kinds, layer_result, write_profile
@@ -37,6 +39,7 @@ from kvbench.tasks.registry import build_task
 
 log = logging.getLogger("kvbench.profile")
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+MODES = ("consistency", "retrieval_heads")
 
 
 def check(
@@ -137,6 +140,28 @@ def profile_task(cfg: dict[str, Any]) -> dict[str, Any]:
     return profile.to_dict()
 
 
+def check_mode(mode: Any) -> None:
+    """Refuse a mode the profiler does not have, before anything loads."""
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode!r} must be one of {MODES}")
+
+
+def profile_heads(cfg: dict[str, Any], out: Path) -> Path:
+    """``mode=retrieval_heads``: the retrieval-head scores on the task's examples, saved in ``out``."""
+    model_cfg = plain(typed(ModelConfig, dict(cfg["model"])))
+    check_model(model_cfg)
+    check_task(dict(cfg["task"]))
+    task = build_task(dict(cfg["task"]))
+    tokenizer, _ = load_tokenizer(**model_cfg)
+    try:
+        examples = retrieval_heads.needles(task, tokenizer)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    lm = load_model(model_cfg.pop("name"), **model_cfg)
+    scores = retrieval_heads.measure(lm.model, examples)
+    return retrieval_heads.write(scores, lm.name, str(cfg["task"]["name"]), len(examples), out)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="profile")
 def main(cfg: DictConfig) -> None:
     """Profile one model on one task; a config that cannot run exits with status 2 and one message."""
@@ -146,7 +171,12 @@ def main(cfg: DictConfig) -> None:
 
     data: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     out = Path(str(cfg.output_dir))
+    mode = data.get("mode")
     try:
+        check_mode(mode)
+        if mode == "retrieval_heads":
+            log.info("retrieval-head scores written to %s", profile_heads(data, out))
+            return
         profile = profile_task(data)
     except ConfigError as err:
         print(f"kvbench-profile: {err}", file=sys.stderr)

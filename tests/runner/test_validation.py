@@ -310,6 +310,25 @@ CASES = [
         ["policy=kvzip", "policy.channels={kind:think,ratio:0.5}"],
         "policy=kvzip: channels chooses key channels from the prompt's last queries",
     ),
+    (
+        ["policy=profiled/headkv"],
+        "allocation scores 'results/profile_example/tiny-llama/retrieval/retrieval_heads.json' is not a file",
+    ),
+    (
+        ["policy=profiled/headkv", f"policy.allocation.scores={REFUSED / 'retrieval_heads_other_model.json'}"],
+        "were measured on another-model (3 layers of 1 KV heads)",
+    ),
+    (
+        [
+            "policy=profiled/headkv",
+            f"policy.allocation.scores={REFUSED / 'retrieval_heads_other_model.json'}",
+            "policy.allocation.pool=1.5",
+        ],
+        "pool=1.5 must be in [0, 1]",
+    ),
+    (["policy=duoattention", "policy.score.head_ratio=1.5"], "head_ratio=1.5 must be in [0, 1]"),
+    (["policy=duoattention", "policy.score.head_ratio=-0.1"], "head_ratio=-0.1 must be in [0, 1]"),
+    (["policy=duoattention", "stage=both"], "policy=duoattention cannot run in stage=both; use stage in ['prefill']"),
 ]
 MESSAGES: dict[str, tuple[int, str]] = {}  # command line -> (exit status, message), for the doc
 

@@ -3,7 +3,8 @@ its entries, its stores and the step; the Evictor never sees the cache.
 
 Each (layer, lane) unit over its budget joins the group of units whose eviction depends on the same things
 (``group_key``), and each group is scored once (``evict.evict_group``). Under an allocation that spans layers
-(``global``) a sequence's layers form one group (``pool_key``) whenever their total is over budget. Sliding
+(``global``) a sequence's layers form one group (``pool_key``) whenever their total is over budget (a thresholded
+one, at every evicting step). Sliding
 layers then keep their newest ``window - 1`` entries per row. After a prompt chunk, every layer that dropped entries
 is packed again. A decode step evicts a lane only every ``policy.interval`` of its decode steps (``Evictor.due``);
 in between its rows grow.
@@ -106,7 +107,7 @@ class Evictor:
                     size = sum(counts) if per_head else counts[0]
                     if policy.allocation.pools_layers:
                         key = pool_key(plan, policy, budget, s)
-                        joins = over[key]
+                        joins = over[key] or policy.allocation.thresholded
                     else:
                         key = group_key(plan, policy, layer, budget, size)
                         joins = size > (budget * e.heads if per_head else budget) or policy.allocation.thresholded

@@ -23,16 +23,20 @@ class Threshold(Allocation):
     kvpress's DMSPress (a dense-prefill DMS without its trained evictors) scores each token once, when it is
     written, and decides once, when it leaves the window; with a score fixed at writing (``key_norm``) that is
     this rule, with ``budget=1.0``.
+
+    ``pooled``: the score sees every layer of a sequence at once (``Allocation.pools_layers``), for a score that
+    decides across layers (DuoAttention ranks every KV head of the sequence); each row still keeps its own.
     """
 
     per_head = True
     thresholded = True
 
-    def __init__(self, threshold: float, window: int = 128):
+    def __init__(self, threshold: float, window: int = 128, pooled: bool = False):
         if int(window) < 0:
             raise ValueError(f"window={window} must be >= 0 entries")
         self.threshold = float(threshold)
         self.window = int(window)
+        self.pools_layers = bool(pooled)
 
     def keep(self, scores: torch.Tensor, valid: torch.Tensor | None, budget: int, units: int = 1) -> torch.Tensor:
         valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
@@ -46,4 +50,5 @@ class Threshold(Allocation):
         return passing & extreme(ranked, cap, largest=True).flip(-1)  # flipped: ties go to the newer entries
 
     def describe(self) -> str:
-        return f"threshold({self.threshold:g}, window={self.window})"
+        pooled = ", pooled" if self.pools_layers else ""
+        return f"threshold({self.threshold:g}, window={self.window}{pooled})"
