@@ -40,6 +40,8 @@ def unmeasurable(policy: Policy) -> str | None:
         return "it reads the evicting step's queries, which profiling does not record"
     if policy.rope:
         return "it reads the model's RoPE, which profiling does not record"
+    if policy.replay is not None:
+        return "it reads the attention of replay passes after the prompt, which profiling does not run"
     return None
 
 

@@ -53,9 +53,12 @@ def test_tiny_profile_and_report(tmp_path, one_thread):
         assert all(v <= o + 1e-6 for v, o in zip(values, oracle)), name
         assert values[-1] == pytest.approx(1.0), name  # the whole prompt kept
     assert {k for k, v in data["kinds"].items() if v == "score"} == {f"score/{s}" for s in measurable_scores()}
-    # Every registered score but those reading what a profile does not record (the step's queries, RoPE).
+    # Every registered score but those reading what a profile does not record (the step's queries, RoPE, the
+    # attention of replay passes).
     assert set(SCORES.names()) - set(measurable_scores()) == {
-        s for s, policy in bare_scores(SCORES.names()).items() if policy.queries is not None or policy.rope
+        s
+        for s, policy in bare_scores(SCORES.names()).items()
+        if policy.queries is not None or policy.rope or policy.replay is not None
     }
     assert {"snapkv", "accumulated", "key_norm"} <= set(measurable_scores())
     write_profile(data, tmp_path)
