@@ -85,7 +85,6 @@ class BatchLoop:
         context, suffix = len(request.input_ids), len(request.suffix_ids)
         if context < 1:
             raise ValueError("the prompt is empty")
-        chunk = self.settings.stride or context
         new = request.settings.max_new_tokens
         budget = self.settings.budget
         tokens = (
@@ -94,11 +93,15 @@ class BatchLoop:
         problem = None if tokens is None else too_small(tokens, self.policy)
         if problem:
             raise ValueError(f"budget of {problem}")
-        plans = plan_layers(self.policy, tokens, self.windows, self.stage, context, suffix, new, chunk)
+        # A re-reading policy holds the context twice until the second pass's eviction (where it evicts at all).
+        evicts = self.stage.evicts_in(Phase.prefill)
+        rereads = self.policy.rereads and evicts and tokens is not None and tokens < context
+        held = 2 * context if rereads else context
+        chunk = self.settings.stride or held
+        plans = plan_layers(self.policy, tokens, self.windows, self.stage, held, suffix, new, chunk)
         if request.context_id is not None:
-            evicts = self.stage.evicts_in(Phase.prefill)
             self.contexts.join(request.context_id, request.input_ids, plans, evicts)
-        return Sequence(index, request, plans, tokens, chunk, self.device)
+        return Sequence(index, request, plans, tokens, chunk, self.device, rereads=rereads)
 
     # -- driving -----------------------------------------------------------------------------------------------
     @property
@@ -238,11 +241,31 @@ class BatchLoop:
     def _prefill_context(self, cache: KVCache, seq: Sequence) -> torch.Tensor:
         """Feed the prompt's context in chunks, evicting where the stage does; the last position's logits."""
         ids = seq.request.input_ids
+        if seq.rereads:
+            return self._reread_context(cache, seq)
         logits = None
         for start in range(0, len(ids), seq.chunk):
             chunk = [ids[start : start + seq.chunk]]
             logits = self._forward(cache, [seq], chunk, Phase.prefill, self.stage.evicts_in(Phase.prefill))
         assert logits is not None, "a prompt has at least one chunk"
+        seq.kept_after_prefill = cache.summary(0).kept_per_layer
+        return logits
+
+    def _reread_context(self, cache: KVCache, seq: Sequence) -> torch.Tensor:
+        """KVCompose's observation pass (``Score.rereads``): the context is fed, then fed again after itself, and
+        the second pass's attention scores the first pass's entries in its eviction, which drops the second pass's
+        own (the score ranks them last, below any budget). The sequence then goes on from the context's end, as
+        if it had been fed once: one forward, one trace, the first pass's logits."""
+        ids = list(seq.request.input_ids)
+        logits = self._forward(cache, [seq], [ids], Phase.prefill, False)
+        self._forward(cache, [seq], [ids], Phase.prefill, True)
+        held = cache.kept_positions(0)
+        if any(bool((layer >= len(ids)).any()) for layer in held):
+            raise RuntimeError("the re-read pass's own entries outlived its eviction")
+        seq.position -= len(ids)
+        seq.forwards -= 1
+        if self.settings.trace:
+            del seq.traces[-2]
         seq.kept_after_prefill = cache.summary(0).kept_per_layer
         return logits
 

@@ -54,6 +54,10 @@ class Score(ABC):
     rope: bool = False
     # True: the score reads every held entry's query, so the prompt must come in one step (``stride`` is refused).
     whole_prompt: bool = False
+    # True: the prompt is fed twice in a row (KVCompose's observation pass): the second pass's attention scores
+    # the first pass's entries, then the second pass's entries are dropped and the positions go back to the
+    # prompt's end. Only where the prompt's eviction drops something; implies ``whole_prompt``.
+    rereads: bool = False
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -86,6 +90,7 @@ DECLARATIONS = (
     "shares_heads",
     "rope",
     "whole_prompt",
+    "rereads",
 )
 
 
@@ -259,7 +264,12 @@ class Policy:
     @property
     def whole_prompt(self) -> bool:
         """Whether the score needs the prompt fed in one step (never for a cache that never evicts)."""
-        return self.score.whole_prompt and self.evicts
+        return (self.score.whole_prompt or self.score.rereads) and self.evicts
+
+    @property
+    def rereads(self) -> bool:
+        """Whether the prompt is fed a second time to score the first (never for a cache that never evicts)."""
+        return self.score.rereads and self.evicts
 
     @property
     def row_sums(self) -> tuple[RowSum, ...]:

@@ -45,10 +45,14 @@ def stages(policy: dict) -> list[str]:
 
 
 def runs_on(family: str, policy: dict) -> bool:
-    """A policy whose score reads the queries before RoPE is refused on a family without RoPE, and a merging one
-    on a family whose every layer slides (both refusals tested below)."""
+    """A policy whose score reads the queries before RoPE is refused on a family without RoPE, a merging one on a
+    family whose every layer slides, and one that re-reads the prompt on a family with sliding layers (the
+    refusals tested below)."""
     built = build_policy(policy)
-    if built.merge and all(w is not None for w in layer_windows(family_config(family))):
+    windows = layer_windows(family_config(family))
+    if built.merge and all(w is not None for w in windows):
+        return False
+    if built.rereads and any(w is not None for w in windows):
         return False
     return family not in NO_ROPE or built.queries is None or built.queries.rope
 
@@ -345,6 +349,16 @@ def test_merge_is_refused_where_sliding_layers_would_evict(prompt):
         DecodeSettings(max_new_tokens=2),
     )
     assert len(g.tokens) == 2
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_rereading_the_prompt_is_refused_on_families_with_sliding_layers(family, prompt):
+    from kvbench.families import policy_problem
+
+    policy = build_policy(named("kvcompose"))
+    assert "sliding-window layer" in str(policy_problem(family_config(family), policy))
+    with pytest.raises(ValueError, match="sliding-window layer"):
+        generate(build(family), None, prompt, policy, 0.5, "prefill", DecodeSettings(max_new_tokens=2))
 
 
 def test_family_table_in_the_docs_lists_every_tested_family():

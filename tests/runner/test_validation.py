@@ -261,6 +261,9 @@ CASES = [
     ),
     # Score.whole_prompt: non-causal chunked attention reads every prompt query, so the prompt comes in one step.
     (["policy=noncausal_attn", "stride=64"], "policy=noncausal_attn scores the prompt from every prompt query"),
+    # Score.rereads: KVCompose feeds the prompt twice, the second pass's every query scoring the first.
+    (["policy=kvcompose", "stride=64"], "policy=kvcompose scores the prompt from every query of a second pass"),
+    (["policy=kvcompose", "stage=decode"], "policy=kvcompose cannot run in stage=decode; use stage in ['prefill']"),
     (["policy=cap", "stage=both"], "policy=cap cannot run in stage=both; use stage in ['prefill']"),
     # SimLayerKV decides each layer once, from the prompt's last queries.
     (["policy=simlayerkv", "stage=decode"], "policy=simlayerkv cannot run in stage=decode; use stage in ['prefill']"),
