@@ -131,4 +131,5 @@ def policy_problem(config: Any, policy: Any) -> str | None:
     if problem is None and policy.queries is not None and not policy.queries.rope:
         problem = rope_refusal(config, None, *QUERIES_BEFORE_ROPE)
     windows = layer_windows(config)
-    return problem or sliding_problem(policy, windows) or layers_problem(policy, windows)
+    problem = problem or sliding_problem(policy, windows) or layers_problem(policy, windows)
+    return problem or policy.model_problem(config)

@@ -63,6 +63,11 @@ class Score(ABC):
     def __call__(self, state: TokenState) -> torch.Tensor:
         """Scores, float [kv_heads, n]. Padding (``state.valid``) may score anything: it is never kept."""
 
+    def model_problem(self, config: Any) -> str | None:
+        """Why the score cannot run on the model of ``config`` (its calibration belongs to another), or None;
+        asked from the config before any weights load."""
+        return None
+
     def features(
         self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
@@ -110,6 +115,9 @@ class ScoreWrapper(Score):
 
     def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
         return self.inner.log_rows(probs, nvis)
+
+    def model_problem(self, config: Any) -> str | None:
+        return self.inner.model_problem(config)
 
 
 class Scope(ABC):
@@ -265,6 +273,10 @@ class Policy:
     def whole_prompt(self) -> bool:
         """Whether the score needs the prompt fed in one step (never for a cache that never evicts)."""
         return (self.score.whole_prompt or self.score.rereads) and self.evicts
+
+    def model_problem(self, config: Any) -> str | None:
+        """Why the score cannot run on the model of ``config`` (never for a cache that never evicts)."""
+        return self.score.model_problem(config) if self.evicts else None
 
     @property
     def rereads(self) -> bool:

@@ -13,6 +13,7 @@ serves both: two phases that keep one must keep the same rows of the same length
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -54,6 +55,9 @@ class PhasedScore(Score):
 
     def __call__(self, state: TokenState) -> torch.Tensor:
         return (self.prefill if state.phase == Phase.prefill else self.decode)(state)
+
+    def model_problem(self, config: Any) -> str | None:
+        return self.prefill.model_problem(config) or self.decode.model_problem(config)
 
     def features(
         self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]

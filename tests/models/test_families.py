@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONFIG_DIR, fit_layers, keeping_all
+from conftest import CONFIG_DIR, fit_layers, keeping_all, with_calibration
 from engine_run import generate
 from family_models import FAMILIES, REFUSED, SLIDING, WINDOW, build, eager_replay, family_config, family_greedy
 from omegaconf import OmegaConf
@@ -36,8 +36,10 @@ def named(name: str, **extra) -> dict:
 
 
 def for_family(family: str, policy: dict) -> dict:
-    """``policy`` with a per-layer budget list fitted to the layers the family's budget is split over."""
-    return fit_layers(policy, len(budget_layers(build_policy(policy), layer_windows(family_config(family)))))
+    """``policy`` with a per-layer budget list fitted to the layers the family's budget is split over, and the
+    family's tiny model's calibration where its score needs one."""
+    fitted = fit_layers(policy, len(budget_layers(build_policy(policy), layer_windows(family_config(family)))))
+    return with_calibration(fitted, tiny(family))
 
 
 def stages(policy: dict) -> list[str]:
