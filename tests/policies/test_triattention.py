@@ -151,3 +151,51 @@ def test_a_missing_or_foreign_calibration_is_refused_from_the_config(tmp_path, c
     mine = build_policy(tiny_policy_cfg("triattention", score={"calibration": calibrated}))
     assert policy_problem(config, mine) is None
     assert "measured on another model (layers 4 here, 6 in the model)" in policy_problem(other, mine)
+
+
+def test_each_trim_keeps_the_papers_best_generated_keys_of_the_models_own(tiny, random_ids, calibrated):
+    """At every trim, each row keeps the prompt and the generated keys the NumPy score ranks highest, computed from
+    the keys the model's k_proj produced in this very run (hooked, before RoPE), the calibration file's centres,
+    and tiny-llama's RoPE frequencies (θ = 10000): nothing of kvbench's cache or score on this side."""
+    prompt, budget, beta, new = 12, 20, 4, 30
+    keys: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(LAYERS)}
+    hooks = [
+        layer.self_attn.k_proj.register_forward_hook(lambda m, i, o, k=k: keys[k].append(o[0].detach().clone()))
+        for k, layer in enumerate(tiny.model.model.layers)
+    ]
+    cfg = tiny_policy_cfg("triattention", score={"calibration": calibrated}, interval=beta)
+    try:
+        g = generate(
+            tiny.model,
+            None,
+            random_ids(prompt, seed=54),
+            build_policy(cfg),
+            budget,
+            "decode",
+            DecodeSettings(max_new_tokens=new),
+            trace=True,
+            fused=False,  # the model's own modules, so that the hooks see every key
+        )
+    finally:
+        for h in hooks:
+            h.remove()
+    with np.load(calibrated) as c:
+        centre, pair_norm = c["centre"], c["pair_norm"]
+    inv_freq = 1.0 / 10000 ** (np.arange(0, D, 2) / D)
+    offsets = [2**i for i in range((65536).bit_length())]
+    trims = 0
+    for k in range(beta, len(g.trace), beta):  # forward k is the k-th decode step: it feeds position prompt + k - 1
+        fed = prompt + k - 1
+        for layer in range(LAYERS):
+            pre = torch.cat(keys[layer]).view(-1, HEADS, D).numpy()  # every position fed, in order
+            for j in range(HEADS):
+                candidates = np.array(sorted(set(g.trace[k - 1][layer][j].tolist()) | {fed}))
+                generated = candidates[candidates >= prompt]
+                scores = reference_scores(
+                    centre[layer], pair_norm[layer], pre[generated, j], generated, fed + 1, offsets, inv_freq, 1.0, j
+                )
+                want = set(generated[np.argsort(-scores, kind="stable")[: budget - prompt]].tolist())
+                got = set(g.trace[k][layer][j].tolist())
+                assert got == set(range(prompt)) | want, (k, layer, j)
+                trims += 1
+    assert trims == LAYERS * HEADS * ((len(g.trace) - 1) // beta)
