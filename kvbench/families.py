@@ -144,4 +144,4 @@ def policy_problem(config: Any, policy: Any) -> str | None:
     problem = problem or sliding_problem(policy, windows) or layers_problem(policy, windows)
     if problem is None and policy.evicts:
         problem = policy.allocation.heads_problem(len(windows), kv_heads(config))
-    return problem
+    return problem or policy.model_problem(config)

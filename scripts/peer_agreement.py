@@ -190,6 +190,9 @@ METHODS: dict[str, Method] = {
     "cur": Method("CURPress", "cur"),
     "cap": Method("CapPress", "cap"),
     "noncausal_attn": Method("NonCausalAttnPress", "noncausal_attn"),
+    # kvpress's defaults: the structured variant, max over the re-read's queries, the heads' mean added.
+    # kvpress keeps ⌊L·n·(1 − ratio)⌋ composite tokens over the model, kvbench L × budget: prompts cut as KVzip's.
+    "kvcompose": Method("KVComposePress", "kvcompose", pooled=True),
     # kvpress's defaults but its lazy_threshold (1.0 makes no layer lazy): 0.9, its recommendation for Llama 3.
     "simlayerkv": Method("SimLayerKVPress", "simlayerkv", {"lazy_threshold": 0.9}, adaptive=True),
     # A window of 128 of the ~1,000-token prompts, where a lazy layer drops most of the prompt.
@@ -299,7 +302,8 @@ class ScoreProbe:
         positions, values = state.positions.cpu().numpy(), scores.cpu().numpy()
         for row, key in enumerate(keys):
             layer, head = divmod(int(key), self.heads)
-            self.scores[layer, head, positions[row][valid[row]]] = values[row][valid[row]]
+            mine = valid[row] & (positions[row] < self.scores.shape[2])  # not a re-read's own (Score.rereads)
+            self.scores[layer, head, positions[row][mine]] = values[row][mine]
         return scores
 
 

@@ -18,6 +18,8 @@ The kept set is observed, not recomputed: a press that drops entries returns a g
 kept key is found among the keys it was given; a masking press (AdaKV) keeps every key and names the masked ones
 in the attention module's ``masked_key_indices``, so its kept set is the rest. A replaying press (KVzip) scores
 after the prefill, in its ``compress_post``, and masks as AdaKV: its ``score_val`` and masks are read there.
+KVCompose compresses every layer at once when its context manager closes, and its kept set is read from the cache
+it compressed.
 
 DuoAttentionPress with ``on_the_fly_scoring`` estimates its heads from 50 BookSum chapters; here its own estimate
 (``duo_attention_on_the_fly``, uncached) reads the prompt itself as its one calibration text, as kvbench's
@@ -102,11 +104,29 @@ class Recorder:
         scorer = press if isinstance(press, ScorerPress) else getattr(press, "press", None)
         if isinstance(scorer, ScorerPress):
             scorer.score = self._scoring(scorer.score)
+        if hasattr(press, "compress_cache"):  # KVCompose compresses every layer at once, leaving the press
+            press.compress_cache = self._composing(press, press.compress_cache)
+            return
         # PerLayerCompressionPress hands each layer to its scorer's own hook: the scorer's compress does the work.
         compressing = scorer if per_layer(press) else press
         compressing.compress = self._compressing(compressing.compress)
         if hasattr(press, "compress_post"):  # a replaying press scores and masks every layer at once, at the end
             press.compress_post = self._replayed(press, press.compress_post)
+
+    def _composing(self, press: Any, compress_cache: Any) -> Any:
+        """KVComposePress: its cache holds the context twice when it compresses; the first copy's keys before,
+        the kept keys after, and the scores it ranked each head's tokens by (``press.scores``)."""
+
+        def recorded(model: Any) -> None:
+            n = press.context_len
+            before = [layer.keys[0, :, :n].clone() for layer in press.cache.layers]
+            compress_cache(model)
+            for index, layer in enumerate(press.cache.layers):
+                for head, found in enumerate(kept_positions(before[index], layer.keys[0])):
+                    self.kept[index, head, found] = True
+            self.scores[:] = press.scores.detach().to(torch.float32).numpy()
+
+        return recorded
 
     def _scoring(self, score: Any) -> Any:
         def recorded(module: Any, *args: Any) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,24 @@ def fit_layers(cfg: dict, n_layers: int) -> dict:
     listed = allocation["budgets"]
     picks = [round(i * (len(listed) - 1) / max(n_layers - 1, 1)) for i in range(n_layers)]
     return cfg | {"allocation": allocation | {"budgets": [listed[i] for i in picks]}}
+
+
+_CENTRES: dict[int, str] = {}
+
+
+def with_calibration(cfg: dict, model) -> dict:
+    """``cfg`` with TriAttention's calibration, where its score needs one: the query centres of ``model`` on a fixed
+    token sequence, measured once per model into a temporary file."""
+    score = cfg.get("score")
+    if not (isinstance(score, dict) and score.get("kind") == "triattention" and score.get("calibration") is None):
+        return cfg
+    if id(model) not in _CENTRES:
+        from kvbench.profile.query_centres import measure
+
+        path = Path(tempfile.mkdtemp()) / "centres.npz"
+        measure(model, [(7 * i + 3) % 250 for i in range(48)]).save(path)
+        _CENTRES[id(model)] = str(path)
+    return cfg | {"score": score | {"calibration": _CENTRES[id(model)]}}
 
 
 def keeping_all(cfg: dict) -> dict:

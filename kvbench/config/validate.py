@@ -78,8 +78,9 @@ def _engine_spec(data: dict[str, Any]) -> RunSpec:
     if run.stride is not None and policy.whole_prompt:
         prefill = policy_cfg.get("prefill")
         who = f"policy.prefill={prefill['name']}" if isinstance(prefill, dict) else f"policy={policy.name}"
+        reads = "every query of a second pass of the prompt" if policy.rereads else "every prompt query"
         raise ConfigError(
-            f"{who} scores the prompt from every prompt query, so it needs the prompt in one step; "
+            f"{who} scores the prompt from {reads}, so it needs the prompt in one step; "
             f"use stride=null (not stride={run.stride})"
         )
     model = plain(run.model)

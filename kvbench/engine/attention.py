@@ -184,7 +184,7 @@ def kvbench_attention(
                 )[0],
                 {},
             )
-        layer.record(_with_queries(stats, layer, step, query))
+        layer.record(_with_queries(stats, layer, step, query, access.scaling))
         return output, None
     if query.shape[0] != 1:
         raise RuntimeError("a prompt chunk is one sequence's: kvbench prefills sequences one at a time")
@@ -193,11 +193,11 @@ def kvbench_attention(
     if softcap is not None or declared(needs, Summed):
         stats = attention_statistics(query, key, access, collecting, value)
         output = stats.pop("output")
-        layer.record(_with_queries(stats, layer, step, query))
+        layer.record(_with_queries(stats, layer, step, query, access.scaling))
         return output, None
     output = _sdpa(module, query, key, value, access)
     stats = attention_statistics(query, key, access, collecting) if needs else {}
-    layer.record(_with_queries(stats, layer, step, query))
+    layer.record(_with_queries(stats, layer, step, query, access.scaling))
     return output, None
 
 
@@ -238,11 +238,12 @@ def _replay_pass(
 
 
 def _with_queries(
-    stats: dict[str, torch.Tensor], layer: CacheLayer, step: Step, query: torch.Tensor
+    stats: dict[str, torch.Tensor], layer: CacheLayer, step: Step, query: torch.Tensor, scaling: float
 ) -> dict[str, torch.Tensor]:
     """``stats`` plus, where the policy declared them (``Score.queries``) and the step evicts, the step's last
     queries as ``queries`` [B × kv_heads, group, k, D]: as attention saw them, or with the model's RoPE undone
-    (and, with ``ahead``, turned by the mean rotation of the coming positions)."""
+    (and, with ``ahead``, turned by the mean rotation of the coming positions); with ``scaled``, times the
+    family's ``scaling``."""
     wants = layer.policy.queries
     if wants is None or not step.evicts:
         return stats
@@ -257,6 +258,8 @@ def _with_queries(
         if wants.ahead:  # the positions after the step's last: [B, 1, 1, ahead]
             coming = layer.current.model_positions[:, -1:] + torch.arange(1, wants.ahead + 1, device=last.device)
             last = rotaries[layer.layer_idx].averaged(last, coming.view(b, 1, 1, -1))
+    if wants.scaled:
+        last = last * scaling
     hkv = layer.entries.heads
     return {**stats, "queries": last.reshape(b * hkv, hq // hkv, k, dim)}
 

@@ -87,7 +87,6 @@ class BatchLoop:
         context, suffix = len(request.input_ids), len(request.suffix_ids)
         if context < 1:
             raise ValueError("the prompt is empty")
-        chunk = self.settings.stride or context
         new = request.settings.max_new_tokens
         budget = self.settings.budget
         reference = reference_length(self.stage, context, suffix, new)
@@ -98,11 +97,15 @@ class BatchLoop:
         evicts = self.stage.evicts_in(Phase.prefill)
         replays = passes(self.tokenizer, request.input_ids, self.policy.replay) if evicts else []
         longest = max((len(ids) for _, ids in replays), default=0)
+        # A re-reading policy holds the context twice until the second pass's eviction (where it evicts at all).
+        rereads = self.policy.rereads and evicts and tokens is not None and tokens < context
+        fed = 2 * context if rereads else context
+        chunk = self.settings.stride or fed
         held = tokens if self.policy.evicts else None
-        plans = plan_layers(self.policy, held, self.windows, self.stage, context, suffix, new, chunk, longest)
+        plans = plan_layers(self.policy, held, self.windows, self.stage, fed, suffix, new, chunk, longest)
         if request.context_id is not None:
             self.contexts.join(request.context_id, request.input_ids, plans, evicts)
-        return Sequence(index, request, plans, tokens, chunk, self.device, replays=replays)
+        return Sequence(index, request, plans, tokens, chunk, self.device, replays=replays, rereads=rereads)
 
     # -- driving -----------------------------------------------------------------------------------------------
     @property
@@ -243,9 +246,9 @@ class BatchLoop:
         """Feed the prompt's context in chunks, evicting where the stage does (after its replay passes, where the
         policy replays it); the last position's logits."""
         ids = seq.request.input_ids
-        logits = None
+        logits = self._reread_context(cache, seq) if seq.rereads else None
         evicts = self.stage.evicts_in(Phase.prefill)
-        for start in range(0, len(ids), seq.chunk):
+        for start in range(0, len(ids) if logits is None else 0, seq.chunk):
             chunk = [ids[start : start + seq.chunk]]
             logits = self._forward(cache, [seq], chunk, Phase.prefill, evicts and not seq.replays)
         assert logits is not None, "a prompt has at least one chunk"
@@ -254,6 +257,23 @@ class BatchLoop:
         if self.policy.channels is not None:  # ThinK: key channels are chosen once the context is in
             cache.prune_channels()
         seq.kept_after_prefill = cache.summary(0).kept_per_layer
+        return logits
+
+    def _reread_context(self, cache: KVCache, seq: Sequence) -> torch.Tensor:
+        """KVCompose's observation pass (``Score.rereads``): the context is fed, then fed again after itself, and
+        the second pass's attention scores the first pass's entries in its eviction, which drops the second pass's
+        own (the score ranks them last, below any budget). The sequence then goes on from the context's end, as
+        if it had been fed once: one forward, one trace, the first pass's logits."""
+        ids = list(seq.request.input_ids)
+        logits = self._forward(cache, [seq], [ids], Phase.prefill, False)
+        self._forward(cache, [seq], [ids], Phase.prefill, True)
+        held = cache.kept_positions(0)
+        if any(bool((layer >= len(ids)).any()) for layer in held):
+            raise RuntimeError("the re-read pass's own entries outlived its eviction")
+        seq.position -= len(ids)
+        seq.forwards -= 1
+        if self.settings.trace:
+            del seq.traces[-2]
         return logits
 
     def _decode_step(self) -> None:

@@ -90,6 +90,11 @@ def sliding_problem(policy: Policy, windows: list[int | None]) -> str | None:
             "window would be folded into kept ones); use policy.sliding_layers=window on a hybrid model, or "
             "policy.merge=false"
         )
+    if policy.rereads and any(w is not None for w in windows):
+        return (
+            f"policy={policy.name} feeds the prompt twice and scores the first pass by the second's attention, which "
+            "a sliding-window layer cannot hold; use a model without sliding-window layers"
+        )
     return None
 
 

@@ -72,6 +72,7 @@ class Sequence:
     ttft_s: float = 0.0
     peak_prefill: tuple[int, str] = (0, "")
     prefill_shared: bool = False  # its context was prefilled for an earlier request: it fed only its suffix
+    rereads: bool = False  # its context is fed twice, the second pass scoring the first (``Score.rereads``)
     stop_reason: str | None = None
     cache: KVCache | None = None  # the cache its lane is in, while it is live
     replays: list[Pass] = field(default_factory=list)  # the prompt's replay passes (KVzip), fed after it

@@ -58,10 +58,19 @@ class Score(ABC):
     whole_prompt: bool = False
     # Replay passes after the prompt, whose attention the score reads (``policies.inputs.Replay``), or None.
     replay: Replay | None = None
+    # True: the prompt is fed twice in a row (KVCompose's observation pass): the second pass's attention scores
+    # the first pass's entries, then the second pass's entries are dropped and the positions go back to the
+    # prompt's end. Only where the prompt's eviction drops something; implies ``whole_prompt``.
+    rereads: bool = False
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
         """Scores, float [kv_heads, n]. Padding (``state.valid``) may score anything: it is never kept."""
+
+    def model_problem(self, config: Any) -> str | None:
+        """Why the score cannot run on the model of ``config`` (its calibration belongs to another), or None;
+        asked from the config before any weights load."""
+        return None
 
     def features(
         self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]
@@ -91,6 +100,7 @@ DECLARATIONS = (
     "rope",
     "whole_prompt",
     "replay",
+    "rereads",
 )
 
 
@@ -110,6 +120,9 @@ class ScoreWrapper(Score):
 
     def log_rows(self, probs: torch.Tensor, nvis: torch.Tensor) -> torch.Tensor:
         return self.inner.log_rows(probs, nvis)
+
+    def model_problem(self, config: Any) -> str | None:
+        return self.inner.model_problem(config)
 
 
 class Scope(ABC):
@@ -313,7 +326,16 @@ class Policy:
     @property
     def whole_prompt(self) -> bool:
         """Whether the score needs the prompt fed in one step (never for a cache that never evicts)."""
-        return self.score.whole_prompt and self.evicts
+        return (self.score.whole_prompt or self.score.rereads) and self.evicts
+
+    def model_problem(self, config: Any) -> str | None:
+        """Why the score cannot run on the model of ``config`` (never for a cache that never evicts)."""
+        return self.score.model_problem(config) if self.evicts else None
+
+    @property
+    def rereads(self) -> bool:
+        """Whether the prompt is fed a second time to score the first (never for a cache that never evicts)."""
+        return self.score.rereads and self.evicts
 
     @property
     def replay(self) -> Replay | None:

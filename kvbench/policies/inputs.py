@@ -27,11 +27,14 @@ class Queries:
     (True) or before the rotary embedding (False: e.g. to extrapolate them to coming positions). ``ahead`` > 0
     (with ``rope=False``): each turned by the mean of the model's rotations over the ``ahead`` positions after
     the step (``Rotary.averaged``): the query as it would attend on average over the coming positions, so that
-    their mean and covariance are those of the rotated statistics (Expected Attention)."""
+    their mean and covariance are those of the rotated statistics (Expected Attention). ``scaled``: times the
+    family's attention scaling (what multiplies qᵀk before the softmax), for a score that computes the model's
+    own attention probabilities (a family's logit softcap is not applied)."""
 
     last: int
     rope: bool = True
     ahead: int = 0
+    scaled: bool = False
 
     def __post_init__(self) -> None:
         if int(self.last) < 1:

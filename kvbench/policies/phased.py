@@ -13,6 +13,7 @@ serves both: two phases that keep one must keep the same rows of the same length
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ class PhasedScore(Score):
         self.rope = prefill.rope or decode.rope  # the engine hands RoPE over when either phase reads it
         self.whole_prompt = prefill.whole_prompt  # only a prompt is scored whole
         self.replay = prefill.replay  # only a prompt is replayed
+        self.rereads = prefill.rereads  # only a prompt is fed twice
         if prefill.queries is not None and decode.queries is not None and prefill.queries != decode.queries:
             raise ValueError(
                 f"the prefill and decode scores read different queries ({prefill.queries} and {decode.queries}); "
@@ -54,6 +56,9 @@ class PhasedScore(Score):
 
     def __call__(self, state: TokenState) -> torch.Tensor:
         return (self.prefill if state.phase == Phase.prefill else self.decode)(state)
+
+    def model_problem(self, config: Any) -> str | None:
+        return self.prefill.model_problem(config) or self.decode.model_problem(config)
 
     def features(
         self, keys: torch.Tensor, values: torch.Tensor, weights: Mapping[str, torch.Tensor]

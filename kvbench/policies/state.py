@@ -48,8 +48,10 @@ class TokenState:
 
     ``phase`` is "prefill" while the prompt is being encoded and "decode" while tokens are generated.
     ``window`` (a sliding-window layer's) and ``seen`` (tokens fed so far, [rows, 1] or an int): the next query
-    sees only entries at positions above ``seen - window``. ``seed`` and ``row_keys`` ([rows, 1]: each row's
-    layer and head, the same for a sequence in any batch) seed random scores. The rows come in ``units`` equal
+    sees only entries at positions above ``seen - window``; ``prompt`` ([rows, 1] or an int): tokens fed in prompt
+    steps (the prompt and its suffix), so that a part can tell the prompt's entries from generated ones. ``seed``
+    and ``row_keys`` ([rows, 1]: each row's layer and head, the same for a sequence in any batch) seed random
+    scores. The rows come in ``units`` equal
     blocks, one per (layer, sequence): a part that mixes rows (a split across heads, a kept set shared by heads)
     mixes those of one unit only (``per_unit``). ``derived`` presets quantities of ``derived()`` that the cache
     computes more cheaply itself, ``lengths`` the count per row. ``rope`` (where the score declared ``rope``):
@@ -73,6 +75,7 @@ class TokenState:
         units: int = 1,
         window: int | None = None,
         seen: torch.Tensor | int | None = None,
+        prompt: torch.Tensor | int | None = None,
         seed: int = 0,
         row_keys: torch.Tensor | None = None,
         row_sums: dict[str, torch.Tensor] | None = None,
@@ -93,7 +96,7 @@ class TokenState:
         self._derived: dict[str, torch.Tensor] = dict(derived or {})
         self._lengths = lengths
         self.units = units
-        self.window, self.seen = window, seen
+        self.window, self.seen, self.prompt = window, seen, prompt
         self.seed = seed
         self.row_keys = (
             row_keys if row_keys is not None else torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import CONFIG_DIR, fit_layers, tiny_policy_cfg
+from conftest import CONFIG_DIR, fit_layers, tiny_policy_cfg, with_calibration
 from engine_run import generate, generate_batch
 from family_models import FAMILIES, SLIDING, build
 from omegaconf import OmegaConf
@@ -43,8 +43,10 @@ DEEP = ("qwen2-window", "gemma3", "gemma2-softcap", "mistral-window", "gpt2")  #
 TINY_LAYERS = 4  # tiny-llama's decoder layers
 
 
-def named(name: str, **extra):
-    return build_policy(fit_layers(tiny_policy_cfg(name, **extra), TINY_LAYERS))
+def named(name: str, model=None, **extra):
+    """A named policy for tiny-llama; ``model``: where a score needs a calibration, what to measure it on."""
+    cfg = fit_layers(tiny_policy_cfg(name, **extra), TINY_LAYERS)
+    return build_policy(cfg if model is None else with_calibration(cfg, model))
 
 
 def requests(lengths=LENGTHS, news=NEW, ids_seed: int = 0, high: int = 250, **settings) -> list[Request]:
@@ -219,9 +221,9 @@ def same_as_alone(batched: Generation, alone: Generation) -> bool:
 
 @pytest.mark.parametrize("name", NAMED)
 def test_every_named_policy_in_every_stage_batched_equals_alone(tiny, name):
-    policy = named(name)
+    policy = named(name, tiny.model)
     if policy.interval > 2:  # a named buffer (R-KV's 128 steps) outlasts this run: evict every other step
-        policy = named(name, interval=2)
+        policy = named(name, tiny.model, interval=2)
     reqs = requests()
     for stage in [s for s in ("prefill", "decode", "both") if s not in policy.unsupported_stages]:
         stride = None if policy.whole_prompt else 8  # a score reading every prompt query needs it in one step

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONFIG_DIR, fit_layers, keeping_all
+from conftest import CONFIG_DIR, fit_layers, keeping_all, with_calibration
 from engine_run import generate
 from family_models import FAMILIES, REFUSED, SLIDING, WINDOW, build, eager_replay, family_config, family_greedy
 from omegaconf import OmegaConf
@@ -36,8 +36,10 @@ def named(name: str, **extra) -> dict:
 
 
 def for_family(family: str, policy: dict) -> dict:
-    """``policy`` with a per-layer budget list fitted to the layers the family's budget is split over."""
-    return fit_layers(policy, len(budget_layers(build_policy(policy), layer_windows(family_config(family)))))
+    """``policy`` with a per-layer budget list fitted to the layers the family's budget is split over, and the
+    family's tiny model's calibration where its score needs one."""
+    fitted = fit_layers(policy, len(budget_layers(build_policy(policy), layer_windows(family_config(family)))))
+    return with_calibration(fitted, tiny(family))
 
 
 def stages(policy: dict) -> list[str]:
@@ -45,10 +47,14 @@ def stages(policy: dict) -> list[str]:
 
 
 def runs_on(family: str, policy: dict) -> bool:
-    """A policy whose score reads the queries before RoPE is refused on a family without RoPE, and a merging one
-    on a family whose every layer slides (both refusals tested below)."""
+    """A policy whose score reads the queries before RoPE is refused on a family without RoPE, a merging one on a
+    family whose every layer slides, and one that re-reads the prompt on a family with sliding layers (the
+    refusals tested below)."""
     built = build_policy(policy)
-    if built.merge and all(w is not None for w in layer_windows(family_config(family))):
+    windows = layer_windows(family_config(family))
+    if built.merge and all(w is not None for w in windows):
+        return False
+    if built.rereads and any(w is not None for w in windows):
         return False
     return family not in NO_ROPE or built.queries is None or built.queries.rope
 
@@ -350,6 +356,16 @@ def test_merge_is_refused_where_sliding_layers_would_evict(prompt):
         DecodeSettings(max_new_tokens=2),
     )
     assert len(g.tokens) == 2
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_rereading_the_prompt_is_refused_on_families_with_sliding_layers(family, prompt):
+    from kvbench.families import policy_problem
+
+    policy = build_policy(named("kvcompose"))
+    assert "sliding-window layer" in str(policy_problem(family_config(family), policy))
+    with pytest.raises(ValueError, match="sliding-window layer"):
+        generate(build(family), None, prompt, policy, 0.5, "prefill", DecodeSettings(max_new_tokens=2))
 
 
 def test_family_table_in_the_docs_lists_every_tested_family():

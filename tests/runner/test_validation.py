@@ -274,6 +274,22 @@ CASES = [
     ),
     # Score.whole_prompt: non-causal chunked attention reads every prompt query, so the prompt comes in one step.
     (["policy=noncausal_attn", "stride=64"], "policy=noncausal_attn scores the prompt from every prompt query"),
+    # Score.rereads: KVCompose feeds the prompt twice, the second pass's every query scoring the first.
+    (["policy=kvcompose", "stride=64"], "policy=kvcompose scores the prompt from every query of a second pass"),
+    (["policy=kvcompose", "stage=decode"], "policy=kvcompose cannot run in stage=decode; use stage in ['prefill']"),
+    # TriAttention's calibration (the model's query centres) is a file measured once per model.
+    (
+        ["policy=triattention", "stage=decode"],
+        "score=triattention needs the model's query centres: measure them with python -m kvbench.profile.query_centres",
+    ),
+    (
+        ["policy=triattention", "stage=decode", "policy.score.calibration=no/such/centres.npz"],
+        "policy.score.calibration=no/such/centres.npz is not a file",
+    ),
+    (
+        ["policy=triattention", "stage=prefill"],
+        "policy=triattention cannot run in stage=prefill; use stage in ['decode']",
+    ),
     (["policy=cap", "stage=both"], "policy=cap cannot run in stage=both; use stage in ['prefill']"),
     # SimLayerKV decides each layer once, from the prompt's last queries.
     (["policy=simlayerkv", "stage=decode"], "policy=simlayerkv cannot run in stage=decode; use stage in ['prefill']"),

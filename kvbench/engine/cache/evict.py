@@ -37,6 +37,7 @@ class StepRows:
     """What a state needs beyond the entries: per flat row, tokens fed so far and a key naming (layer, head)."""
 
     seen: torch.Tensor  # [layers × rows, 1] long
+    prompt: torch.Tensor  # [layers × rows, 1] long: tokens each row's sequence was fed in prompt steps
     row_keys: torch.Tensor  # [layers × rows] long
     phase: str
     seed: int
@@ -70,6 +71,7 @@ def group_state(
     if valid is not None:
         positions = positions.masked_fill(~valid, 0)
     seen = step.seen if rows is None else step.seen.index_select(0, rows)
+    prompt = step.prompt if rows is None else step.prompt.index_select(0, rows)
     eager: dict[str, torch.Tensor] = {}
     columns = [c for c in entries.columns if c in policy.needs or c in policy.feature_names]
     if columns:
@@ -109,6 +111,7 @@ def group_state(
         units=positions.shape[0] // entries.heads,
         window=group.window,
         seen=seen,
+        prompt=prompt,
         seed=step.seed,
         row_keys=keys.unsqueeze(1),
         rope=row_rope(entries, rows, policy, step) if policy.rope else None,

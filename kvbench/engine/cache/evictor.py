@@ -46,6 +46,7 @@ class Evictor:
         self.history = max((p.history for p in policies), default=0)  # the query log's length, in steps
         self.budgets: list[list[int | None]] = [[None] * lanes for _ in plans]
         self.seen = [0] * lanes
+        self.prompt = [0] * lanes  # tokens the lane's sequence was fed in prompt steps (its prompt and suffix)
         self.waited = [0] * lanes  # decode steps since the lane's last evicting one
         self.phase = Phase.prefill  # the last step's
         self._rows: dict[tuple, torch.Tensor] = {}  # index tensors of unit lists, built once
@@ -56,11 +57,13 @@ class Evictor:
         for layer, plan in enumerate(plans):
             self.budgets[layer][lane] = plan.budget
         self.waited[lane] = 0
+        self.prompt[lane] = 0
 
     def copy_lane(self, source: Evictor, src: int, dst: int) -> None:
         for layer in range(len(self.plans)):
             self.budgets[layer][dst] = source.budgets[layer][src]
         self.seen[dst] = source.seen[src]
+        self.prompt[dst] = source.prompt[src]
         self.waited[dst] = source.waited[src]
 
     def prepares(self, lanes: range) -> bool:
@@ -90,6 +93,8 @@ class Evictor:
         for lane, positions in zip(step.lanes, step.positions):
             if step.replay is None:  # a replay pass's tokens are not the sequence's
                 self.seen[lane] = positions[-1] + 1
+                if step.phase is Phase.prefill:
+                    self.prompt[lane] = max(self.prompt[lane], positions[-1] + 1)
         self.phase = step.phase
         due = self.due(step)
         e, lo, hi = entries, step.lanes.start, step.lanes.stop
@@ -209,11 +214,13 @@ class Evictor:
     def _step_rows(self, e: Entries, first_lane: int = 0) -> evicting.StepRows:
         """The step's per-row facts; its queries (where declared) are those of lanes from ``first_lane`` on."""
         seen = torch.tensor(self.seen, device=e.device).repeat_interleave(e.heads).repeat(e.layers)
+        prompt = torch.tensor(self.prompt, device=e.device).repeat_interleave(e.heads).repeat(e.layers)
         if self._row_keys is None:
             head = torch.arange(e.layers * e.rows, device=e.device)
             self._row_keys = (head // e.rows) * e.heads + head % e.heads
         return evicting.StepRows(
             seen.view(-1, 1),
+            prompt.view(-1, 1),
             self._row_keys,
             self.phase,
             self.seed,
