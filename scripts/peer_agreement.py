@@ -127,6 +127,13 @@ METHODS: dict[str, Method] = {
     "chunkkv_kvpress": Method(
         "ChunkKVPress", "chunkkv_kvpress", {"chunk_length": 20}, inner="SnapKVPress", inner_kwargs=SNAPKV
     ),
+    "entropy_gated_chunkkv": Method(
+        "EntropyGatedChunkKVPress",
+        "entropy_gated_chunkkv",
+        {"chunk_length": 10, "low_entropy_chunk_length": 4},
+        inner="SnapKVPress",
+        inner_kwargs=SNAPKV,
+    ),
     "expected_attention": Method("ExpectedAttentionPress", "expected_attention"),
     "criticalkv": Method(
         "CriticalKVPress",

@@ -143,6 +143,9 @@ class Allocation:
     # True when one split spans every layer of a sequence (``global``): the cache then evicts a sequence's layers
     # together, once their total exceeds ``layers × heads × budget``, and a row may hold any share of it.
     pools_layers: bool = False
+    # Statistics the allocation itself reads from the state (``keep_state``): CAKE's layer preferences read the
+    # score's query log.
+    needs: frozenset[str] = frozenset()
 
     def layers_problem(self, n_layers: int) -> str | None:
         """Why this allocation cannot split a budget over ``n_layers`` layers (an explicit list of another
@@ -165,6 +168,11 @@ class Allocation:
         idx = torch.topk(scores, k, dim=-1, sorted=False).indices
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
         return mask if valid is None else mask & valid
+
+    def keep_state(self, state: TokenState, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """Bool keep mask [rows, n] of ``state`` ranked by ``scores`` (scope applied). ``keep``, unless the split
+        depends on more of the state than the scores (CAKE's layer preferences)."""
+        return self.keep(scores, state.valid, budget, state.units)
 
     def describe(self) -> str:
         return "uniform"
@@ -214,6 +222,11 @@ class Policy:
                 f"score {type(self.score).__name__} reads the queries before RoPE against keys at their true "
                 "positions, which positions=reindex moves; use positions=absolute"
             )
+        if "qlog" in self.allocation.needs and self.evicts and self.score.history < 1:
+            raise ValueError(
+                f"allocation={self.allocation.describe()} reads the attention of the score's observation window, "
+                f"and score {type(self.score).__name__} keeps none; use a windowed score (score.kind=cake or snapkv)"
+            )
         unknown = sorted(set(self.score.weights) - set(WEIGHTS))
         if unknown:
             raise ValueError(
@@ -226,7 +239,7 @@ class Policy:
         if not self.evicts:
             return frozenset()
         merging = self.merge.needs if isinstance(self.merge, Merge) else frozenset()
-        return self.score.needs | self.scope.needs | merging
+        return self.score.needs | self.scope.needs | self.allocation.needs | merging
 
     @property
     def needs_attention(self) -> bool:
@@ -300,12 +313,12 @@ class Policy:
 
     def kept_by(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
         """What the scope and allocation keep when ``scores`` rank the entries, bool [H, n]."""
-        return self.allocation.keep(self.ranked(scores, state, budget), state.valid, budget, state.units)
+        return self.allocation.keep_state(state, self.ranked(scores, state, budget), budget)
 
     def keep_mask(self, state: TokenState, budget: int) -> torch.Tensor:
         """Bool [H, n]: what each head keeps. ``budget`` is the per-head budget (the average, under
         per-head allocation: the layer keeps ``heads × budget`` entries in all)."""
-        return self.allocation.keep(self.scored(state, budget), state.valid, budget, state.units)
+        return self.allocation.keep_state(state, self.scored(state, budget), budget)
 
     def partition(self, state: TokenState, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Heads sharing one length (uniform allocation within the layer): the indices each keeps, [kv_heads,

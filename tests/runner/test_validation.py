@@ -247,6 +247,12 @@ CASES = [
         ["policy=chunkkv", "policy.allocation=adaptive"],
         "policy=chunkkv: score.shared=true (on the score or its base) keeps one set per layer",
     ),
+    (
+        ["policy=entropy_gated_chunkkv", "policy.score.low_entropy_chunk=10"],
+        "policy=entropy_gated_chunkkv: entropy_gated_chunkkv needs chunk > low_entropy_chunk >= 1",
+    ),
+    (["policy=cake", "policy.allocation.tau1=0"], "policy=cake: cake tau1=0, tau2=1.0 must be > 0"),
+    (["policy=cake", "stage=both"], "policy=cake cannot run in stage=both; use stage in ['prefill']"),
     (["policy=lagkv", "policy.score.lag_size=0"], "policy=lagkv: lagkv lag_size=0 must be at least 1 token"),
     # R-KV compresses what the model generates.
     (["policy=rkv", "stage=prefill"], "policy=rkv cannot run in stage=prefill; use stage in ['decode', 'both']"),
