@@ -19,6 +19,7 @@ from kvbench.policies.registry import build_policy
 from kvbench.policies.state import TokenState
 
 LAYERS, HEADS, N, WINDOW = 4, 2, 40, 6
+ENTRY_BYTES = 2 * 16 * 4  # tiny-llama: a key and a value of 16 float32 per token and KV head
 
 
 def cake_policy(gamma: float, tau1: float, tau2: float):
@@ -114,6 +115,19 @@ def test_the_config_through_the_engine_keeps_the_total(tiny, random_ids) -> None
     for layer in layers:
         for head in layer:
             assert set(range(n - 4, n)) <= set(head.tolist())
+
+
+def test_resident_bytes_are_the_entries_the_rows_hold(tiny, random_ids) -> None:
+    """After the prompt's eviction the rows hold what their layers' budgets keep, different per layer, and the
+    resident KV bytes are those entries (counted from the kept positions) times a float32 key and value each: the
+    rows store what they keep, not the most a layer may take of the shared total."""
+    policy = build_policy(tiny_policy_cfg("cake", score={"window": 4}))
+    n, budget = 48, 20
+    g = generate(tiny.model, None, random_ids(n, seed=4), policy, budget, "prefill", DecodeSettings(1), trace=True)
+    held = [[len(set(head.tolist())) for head in layer] for layer in g.trace[0]]
+    assert len({sum(layer) for layer in held}) > 1  # the layers keep different counts
+    assert sum(map(sum, held)) == LAYERS * HEADS * budget
+    assert g.measures.kv_resident_bytes == sum(map(sum, held)) * ENTRY_BYTES
 
 
 def test_bad_options_are_refused() -> None:

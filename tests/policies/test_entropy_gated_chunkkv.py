@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_policy_cfg
+from conftest import CONFIG_DIR, tiny_policy_cfg
 from engine_run import generate
+from omegaconf import OmegaConf
 
 from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.base import Policy
@@ -80,6 +81,31 @@ def test_the_gate_cuts_a_spiky_chunk_and_spends_the_rest_on_further_chunks() -> 
     policy = Policy("e", EntropyGatedChunkKV(base="key_norm", chunk=4, low_entropy_chunk=1), All())
     got = policy.keep_mask(view_of(scores), 8)[0].nonzero().flatten().tolist()
     assert got == [0, 4, 5, 6, 7, 8, 9, 10]
+
+
+def test_the_guard_is_kvpresss_on_the_heads_sum() -> None:
+    """kvpress adds 1e-8 to a chunk's total of the heads' summed scores; a shared base is the heads' mean. On
+    scores of the guard's size the entropies, and so the gate, depend on it: the kept sets are kvpress's only with
+    the guard in kvpress's units (1e-8 / heads here)."""
+    g = torch.Generator().manual_seed(0)
+    scale = 10 ** (torch.rand(3, 12, 1, generator=g, dtype=torch.float64) * 3 - 10)  # chunks' totals 1e-10 to 1e-7
+    scores = (torch.rand(3, 12, 5, generator=g, dtype=torch.float64) ** 3 * scale).reshape(3, 60)
+    base = {"kind": "key_norm", "shared": True}
+    policy = Policy("e", EntropyGatedChunkKV(base=base, chunk=5, low_entropy_chunk=2), All())
+    view = view_of(scores.float())
+    summed = view.stats["key_norm"].double().neg().sum(dim=0).numpy()  # the heads' sum, as kvpress reads it
+    for budget in range(1, 61):
+        expected = kvpress_kept(summed, 5, 2, budget)
+        got = policy.keep_mask(view, budget)
+        for r in range(3):
+            assert set(got[r].nonzero().flatten().tolist()) == expected, (budget, r)
+
+
+def test_the_configs_guard_reads_snapkvs_window() -> None:
+    """The shipped config's guard is kvpress's in kvbench's units: its SnapKV base sums a 64-query window."""
+    config = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "policy" / "entropy_gated_chunkkv.yaml"))
+    score = build_policy(config).score
+    assert isinstance(score, EntropyGatedChunkKV) and score.window == 64 and score.inner.shares_heads
 
 
 def test_the_config_keeps_the_budget_one_set_per_layer(tiny, random_ids) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.policies.base import ScoreWrapper
+from kvbench.policies.base import Score, ScoreWrapper
 from kvbench.policies.grouped import depth_in_group, lexicographic, places
 from kvbench.policies.parts import register_score
 from kvbench.policies.registry import build_score
@@ -26,6 +26,13 @@ class EntropyGatedChunkKV(ScoreWrapper):
     row keeps exactly its budget. Medians are the lower middle value over the chunks holding an entry, as
     ``torch.median``.
 
+    kvpress guards the distribution with 1e-8 added to a chunk's total, in its own units: the heads' sum of its
+    SnapKV scores, each the mean over the window's queries. kvbench's shared SnapKV score is the heads' mean of the
+    sum over the window, ``window / heads`` times kvpress's, so the guard here is 1e-8 × window / heads (``window``
+    the base's observation window, 1 for a base without one; ``heads`` 1 for a base that is not ``shared``). The
+    entropy barely moves, but chunks within 1e-6 of the median entropy are then ordered as kvpress orders them
+    (docs/peers.md).
+
     The score is each entry's place in that order: the entries taken first (best chunk first, then by the base
     score), then the rest by base score, so the budget keeps what the greedy pass and its top-up keep. The pass
     reads the eviction's budget, so it is meant for the uniform allocation with nothing protected by the scope
@@ -40,6 +47,7 @@ class EntropyGatedChunkKV(ScoreWrapper):
         super().__init__(build_score(base))
         self.chunk = int(chunk)
         self.low = int(low_entropy_chunk)
+        self.window = base_window(self.inner)
 
     def __call__(self, state: TokenState) -> torch.Tensor:
         scores = self.inner(state).to(torch.float32)
@@ -53,7 +61,8 @@ class EntropyGatedChunkKV(ScoreWrapper):
         counts = held[:, :slots]
         s = scores.masked_fill(~valid, 0.0)
         mean = torch.zeros_like(held).scatter_add_(1, chunk, s)[:, :slots] / counts.clamp_min(1)
-        entropy = chunk_entropy(s, valid, chunk, counts, slots)
+        heads = state.heads // state.units if self.inner.shares_heads else 1
+        entropy = chunk_entropy(s, valid, chunk, counts, slots, EPS * self.window / heads)
         holding = counts > 0
         high = mean >= lower_median(mean, holding)
         spiky = entropy < lower_median(entropy, holding)
@@ -75,16 +84,29 @@ class EntropyGatedChunkKV(ScoreWrapper):
         return -places(order).to(torch.float32)
 
 
+def base_window(score: Score) -> int:
+    """The observation window of ``score`` or of the score it wraps (SnapKV's ``window``), else 1."""
+    while True:
+        window = getattr(score, "window", None)
+        if isinstance(window, int):
+            return window
+        if not isinstance(score, ScoreWrapper):
+            return 1
+        score = score.inner
+
+
 def chunk_entropy(
-    scores: torch.Tensor, valid: torch.Tensor, chunk: torch.Tensor, counts: torch.Tensor, slots: int
+    scores: torch.Tensor, valid: torch.Tensor, chunk: torch.Tensor, counts: torch.Tensor, slots: int, guard: float = EPS
 ) -> torch.Tensor:
-    """Each chunk's normalised entropy of its scores, [H, slots], in [0, 1]; 0 for a chunk holding one entry."""
+    """Each chunk's normalised entropy of its scores, [H, slots], in [0, 1]; 0 for a chunk holding one entry.
+    ``guard`` is added to a chunk's total (in the scores' units); the logarithm's guard is EPS (the distribution's
+    own, unitless)."""
     lowest = torch.full((scores.shape[0], slots + 1), float("inf"), device=scores.device)
     lowest = lowest.scatter_reduce(1, chunk, scores.masked_fill(~valid, float("inf")), reduce="amin")
     shift = lowest.clamp(max=0.0).nan_to_num(posinf=0.0).gather(1, chunk)
     shifted = (scores - shift).masked_fill(~valid, 0.0)
     total = torch.zeros_like(lowest).scatter_add_(1, chunk, shifted)
-    p = shifted / (total.gather(1, chunk) + EPS)
+    p = shifted / (total.gather(1, chunk) + guard)
     h = torch.zeros_like(lowest).scatter_add_(1, chunk, (-p * (p + EPS).log()).masked_fill(~valid, 0.0))[:, :slots]
     norm = counts.clamp_min(2).log()
     return torch.where(counts > 1, (h / norm).clamp(0.0, 1.0), torch.zeros_like(h))
