@@ -58,6 +58,9 @@ class Method:
     # The press decides its own kept count (SimLayerKV's lazy layers): kvpress gets no compression ratio (its
     # setter refuses one) and kvbench's budget is 1.0, which caps nothing.
     adaptive: bool = False
+    # The prompt's last ``question`` tokens are its question (Finch): kvbench gets them as the suffix, kvpress after
+    # its delimiter token.
+    question: int = 0
 
     def press_spec(self) -> dict[str, Any]:
         inner = {"press": self.inner, "kwargs": self.inner_kwargs} if self.inner else None
@@ -67,6 +70,7 @@ class Method:
             "inner": inner,
             "eager": self.eager,
             "ratio": not self.adaptive,
+            "question": self.question,
         }
 
     def budget(self, n: int, ratio: float, kind: str) -> float | int:
@@ -135,6 +139,9 @@ METHODS: dict[str, Method] = {
         inner_kwargs=SNAPKV,
     ),
     "expected_attention": Method("ExpectedAttentionPress", "expected_attention"),
+    # The kept set is chosen before kvpress re-rotates the kept keys, which the peer side's key matching needs
+    # unrotated (kvbench's config re-indexes them).
+    "finch": Method("FinchPress", "finch", {"rerotate_keys": False}, question=32),
     "criticalkv": Method(
         "CriticalKVPress",
         "criticalkv",
@@ -233,7 +240,8 @@ def run_kvbench(lm: LoadedModel, method: Method, ids: list[int], budget: float |
     policy = build_policy(policy_config(method))
     probe = ScoreProbe(policy, layers, heads, n)
     settings = EngineSettings(policy=policy, budget=budget, stage="prefill", trace=True)
-    request = Request(input_ids=ids, settings=DecodeSettings(max_new_tokens=1))
+    asked = len(ids) - method.question
+    request = Request(input_ids=ids[:asked], suffix_ids=ids[asked:], settings=DecodeSettings(max_new_tokens=1))
     generation = Engine(lm.model, lm.tokenizer, settings).run([request])[0]
     assert generation.trace is not None, "a traced run records its kept positions"
     kept = np.zeros((layers, heads, n), dtype=bool)

@@ -152,7 +152,8 @@ def kvbench_attention(
     needs = attention_names(layer.policy.needs) if step.collects else frozenset()
     if not step.prepares:
         needs = needs - {s.name for s in declared(needs, Logged)}
-    collecting = Collecting(needs, layer.policy.history) if needs else NOTHING
+    log = layer.entries.log  # the policy's history, or the question's length where the score observes it
+    collecting = Collecting(needs, log.history if log is not None else layer.policy.history) if needs else NOTHING
     if q == 1:
         # SDPA only for one unmasked sequence: for several, one batched product per row (docs/perf/batch.md).
         plain = query.shape[0] == 1 and layer.visible is None and window is None

@@ -54,6 +54,10 @@ class Score(ABC):
     rope: bool = False
     # True: the score reads every held entry's query, so the prompt must come in one step (``stride`` is refused).
     whole_prompt: bool = False
+    # True: the score's observation window is the prompt's question (Finch): the engine compresses the context and
+    # the question together and tells the score how many of the prompt's last tokens are the question
+    # (``TokenState.observe``).
+    question: bool = False
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -86,6 +90,7 @@ DECLARATIONS = (
     "shares_heads",
     "rope",
     "whole_prompt",
+    "question",
 )
 
 
@@ -273,6 +278,11 @@ class Policy:
     def whole_prompt(self) -> bool:
         """Whether the score needs the prompt fed in one step (never for a cache that never evicts)."""
         return self.score.whole_prompt and self.evicts
+
+    @property
+    def question(self) -> bool:
+        """Whether the score observes the prompt's question (never for a cache that never evicts)."""
+        return self.score.question and self.evicts
 
     @property
     def row_sums(self) -> tuple[RowSum, ...]:

@@ -35,6 +35,7 @@ class PhasedScore(Score):
         self.row_sums = _row_sums(prefill.row_sums, decode.row_sums)
         self.rope = prefill.rope or decode.rope  # the engine hands RoPE over when either phase reads it
         self.whole_prompt = prefill.whole_prompt  # only a prompt is scored whole
+        self.question = prefill.question  # only a prompt has a question
         if prefill.queries is not None and decode.queries is not None and prefill.queries != decode.queries:
             raise ValueError(
                 f"the prefill and decode scores read different queries ({prefill.queries} and {decode.queries}); "
