@@ -7,12 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_policy_cfg
+from conftest import CONFIG_DIR, tiny_policy_cfg
 from engine_run import generate
+from hydra import compose, initialize_config_dir
 
 from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.registry import build_policy
 from kvbench.policies.state import TokenState
+from kvbench.results.writer import read_rows
+from kvbench.runner.cell import run_cell
 
 
 def numpy_finch(attention: np.ndarray, question: int, kept: int) -> list[set[int]]:
@@ -83,3 +86,19 @@ def test_a_request_without_a_question_is_refused(tiny, random_ids) -> None:
     policy = build_policy(tiny_policy_cfg("finch"))
     with pytest.raises(ValueError, match="observes the prompt's question.*question_aware=false"):
         generate(tiny.model, None, random_ids(20, seed=1), policy, 8, "prefill", DecodeSettings(1))
+
+
+def test_a_cell_compresses_each_prompt_with_its_question(tmp_path) -> None:
+    """The runner end to end on the passkey task with its question fed apart: the prompt counted with its question
+    (both compressed together), the budget kept of it, and the resident KV bytes the hand count of what the rows
+    hold after the decode: the budget plus the 3 tokens decoded after the first, in 4 layers × 2 KV heads, a
+    float32 key and value of 16 each."""
+    overrides = ["model=tiny-llama", "task.n=2", "task.context_tokens=160", "task.max_new_tokens=4"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        config = compose("config", overrides=[*overrides, "policy=finch", "budget=0.5", "task.question_aware=false"])
+    run_cell(config, tmp_path / "cell", "t")
+    rows = read_rows(tmp_path / "cell" / "rows.jsonl")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["status"] == "ok" and r["budget_tokens"] == -(-r["prompt_tokens"] // 2)  # rounded up
+        assert r["kv_resident_bytes"] == (r["budget_tokens"] + 3) * 4 * 2 * (2 * 16 * 4)

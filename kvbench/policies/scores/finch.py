@@ -18,8 +18,9 @@ class Finch(Score):
     its attention spread over more keys, counts as much as an earlier one) and an entry before the question
     scores the mean over the question's queries of that weighted attention (its KV head's: the GQA group's mean,
     as kvpress). No pooling. The question's own entries score above every other entry of the layer, as kvpress's
-    (the layer's best plus one), so the budget keeps them. Each head keeps its own set (uniform allocation); the
-    kept keys are re-rotated to contiguous positions by the config's ``positions: reindex``.
+    (the layer's best plus one), so the budget keeps them; a budget below the question's length keeps part of it,
+    picked among equal scores (kvpress's top-k too). Each head keeps its own set (uniform allocation); the kept
+    keys are re-rotated to contiguous positions by the config's ``positions: reindex``.
 
     The query log holds the question's queries: the cache sizes it to the longest question it holds."""
 
