@@ -81,6 +81,10 @@ class Method:
             return tuple(kind for part in self.parts for kind in part.kinds)
         return ("channels",) if self.channels else ("tokens",)
 
+    # The prompt's last ``question`` tokens are its question (Finch): kvbench gets them as the suffix, kvpress after
+    # its delimiter token.
+    question: int = 0
+
     def press_spec(self) -> dict[str, Any]:
         if self.parts:
             presses = [part.press_spec() for part in self.parts]
@@ -94,6 +98,7 @@ class Method:
             "eager": self.eager,
             "ratio": not (self.adaptive or self.channels),
             "channels": self.channels,
+            "question": self.question,
         }
 
     def budget(self, n: int, ratio: float, kind: str) -> float | int:
@@ -170,7 +175,17 @@ METHODS: dict[str, Method] = {
     "chunkkv_kvpress": Method(
         "ChunkKVPress", "chunkkv_kvpress", {"chunk_length": 20}, inner="SnapKVPress", inner_kwargs=SNAPKV
     ),
+    "entropy_gated_chunkkv": Method(
+        "EntropyGatedChunkKVPress",
+        "entropy_gated_chunkkv",
+        {"chunk_length": 10, "low_entropy_chunk_length": 4},
+        inner="SnapKVPress",
+        inner_kwargs=SNAPKV,
+    ),
     "expected_attention": Method("ExpectedAttentionPress", "expected_attention"),
+    # The kept set is chosen before kvpress re-rotates the kept keys, which the peer side's key matching needs
+    # unrotated (kvbench's config re-indexes them).
+    "finch": Method("FinchPress", "finch", {"rerotate_keys": False}, question=32),
     "criticalkv": Method(
         "CriticalKVPress",
         "criticalkv",
@@ -314,7 +329,8 @@ def run_kvbench(lm: LoadedModel, method: Method, ids: list[int], budget: float |
     policy = build_policy(policy_config(method))
     probe = ScoreProbe(policy, layers, heads, n)
     settings = EngineSettings(policy=policy, budget=budget, stage="prefill", trace=True)
-    request = Request(input_ids=ids, settings=DecodeSettings(max_new_tokens=1))
+    asked = len(ids) - method.question
+    request = Request(input_ids=ids[:asked], suffix_ids=ids[asked:], settings=DecodeSettings(max_new_tokens=1))
     generation = Engine(lm.model, lm.tokenizer, settings).run([request])[0]
     assert generation.trace is not None, "a traced run records its kept positions"
     kept = np.zeros((layers, heads, n), dtype=bool)

@@ -101,8 +101,8 @@ class Recorder:
         self.scores = np.full((layers, heads, n), np.nan, dtype=np.float32)
         # A scorer press ranks by its own scores (CriticalKV's too, though it wraps one); a press that wraps a
         # scorer without being one (AdaKV, ChunkKV) is recorded with its scorer's.
-        scorer = press if isinstance(press, ScorerPress) else getattr(press, "press", None)
-        if isinstance(scorer, ScorerPress):
+        scorer = press if isinstance(press, (ScorerPress, kvpress.FinchPress)) else getattr(press, "press", None)
+        if isinstance(scorer, (ScorerPress, kvpress.FinchPress)):
             scorer.score = self._scoring(scorer.score)
         if hasattr(press, "compress_cache"):  # KVCompose compresses every layer at once, leaving the press
             press.compress_cache = self._composing(press, press.compress_cache)
@@ -271,8 +271,9 @@ def main(request_path: str, out_path: str) -> None:
             set_ratio(press, spec, request["ratio"])
             recorded = recorders(press, spec, model, len(ids))
             on_the_fly = isinstance(press, duo.DuoAttentionPress) and press.on_the_fly_scoring
+            fed = with_delimiter(model, press, ids, int(spec.get("question") or 0))
             with torch.inference_mode(), calibrated_on(ids) if on_the_fly else nullcontext(), press(model):
-                model.model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
+                model.model(input_ids=torch.tensor([fed]), past_key_values=DynamicCache())
             for kind, recorder in recorded.items():
                 arrays[f"{name}/{index}/{kind}/kept"] = recorder.kept
                 arrays[f"{name}/{index}/{kind}/scores"] = recorder.scores
@@ -281,6 +282,20 @@ def main(request_path: str, out_path: str) -> None:
     versions = {"kvpress": kvpress_version(), "transformers": transformers.__version__, "torch": torch.__version__}
     arrays["versions"] = np.array(json.dumps(versions))
     np.savez_compressed(out_path, **arrays)
+
+
+def with_delimiter(model: Any, press: Any, ids: list[int], question: int) -> list[int]:
+    """The ids FinchPress reads: its delimiter token before the prompt's last ``question`` tokens (kvpress's hook
+    finds it, takes what follows as the window and drops its embedding). The delimiter is one new token past the
+    vocabulary, its embedding row added once; ``ids`` as they are for any other press."""
+    if not question:
+        return ids
+    vocab = model.config.vocab_size
+    if getattr(model, "finch_delimiter", None) is None:
+        model.resize_token_embeddings(vocab + 1)
+        model.finch_delimiter = vocab
+    press.delimiter_token_id = model.finch_delimiter
+    return [*ids[: len(ids) - question], model.finch_delimiter, *ids[len(ids) - question :]]
 
 
 def kvpress_version() -> str:

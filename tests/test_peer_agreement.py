@@ -139,6 +139,14 @@ def test_a_press_that_sets_its_own_kept_count_gets_no_ratio_and_an_uncapped_budg
     assert snapkv.budget(1001, 0.5, "fraction") == 0.5
 
 
+def test_finchs_question_goes_to_both_sides():
+    """kvpress's FinchPress finds the question after its delimiter, kvbench takes it as the suffix: the method names
+    its length for both, and only for a method that observes one."""
+    finch = peer_agreement.METHODS["finch"]
+    assert finch.press_spec()["question"] == 32 > 0 == peer_agreement.METHODS["snapkv"].press_spec()["question"]
+    assert build_policy(peer_agreement.policy_config(finch)).question
+
+
 def test_the_peer_side_imports_nothing_from_kvbench():
     tree = ast.parse((REPO / "scripts" / "peer_kvpress_side.py").read_text(encoding="utf-8"))
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

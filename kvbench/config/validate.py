@@ -46,14 +46,40 @@ def validate(cfg: DictConfig | dict[str, Any]) -> RunSpec:
             f"task={task_data.get('name')} teacher-forces its text instead of generating, so "
             f"sampling.n_samples={spec.n_samples} has nothing to sample; use sampling.n_samples=1"
         )
+    question = question_problem(spec.policy, task)
+    if question:
+        raise ConfigError(
+            f"policy={spec.policy.name} observes the prompt's question, and task={task_data.get('name')} {question}"
+        )
     spec.task_cfg = task_data
     return spec
+
+
+def question_problem(policy: Policy, task: Task) -> str | None:
+    """Why ``task`` cannot give a question-observing policy (Finch) its question, or None: the question must be
+    fed apart from the context (the suffix, ``question_aware=false``), one question per compressed context."""
+    if not policy.question:
+        return None
+    if task.protocol.name == "shared_context":
+        return "compresses one context for several questions; use task.ask=all"
+    aware = getattr(task, "question_aware", None)  # the tasks that can feed their question apart have the option
+    if task.protocol.name != "generate" or aware is None:
+        return "gives no question apart from its context"
+    if aware:
+        return "compresses its question with the context; add task.question_aware=false"
+    return None
 
 
 def validate_engine(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     """Check everything of a config but its task, for a harness that brings its own requests (lm-eval's): the
     model, policy, budget, stage, batch and sampling settings; the spec's ``task_cfg`` is empty."""
-    return _engine_spec(_plain_config(cfg))
+    spec = _engine_spec(_plain_config(cfg))
+    if spec.policy.question:
+        raise ConfigError(
+            f"policy={spec.policy.name} observes the prompt's question, which a harness's own requests do not give "
+            "apart from the context; run it on a kvbench task with task.question_aware=false"
+        )
+    return spec
 
 
 def _engine_spec(data: dict[str, Any]) -> RunSpec:
@@ -74,6 +100,11 @@ def _engine_spec(data: dict[str, Any]) -> RunSpec:
         phases = " (or keep stage=both and name a policy for the decode phase: policy.decode=h2o)"
         raise ConfigError(
             f"{stage_refusal(policy.name, run.stage)}; use stage in {allowed}" + (phases if compresses_prompts else "")
+        )
+    if run.stride is not None and policy.question:
+        raise ConfigError(
+            f"policy={policy.name} compresses the prompt once, observing the question at its end, so it needs the "
+            f"prompt in one step; use stride=null (not stride={run.stride})"
         )
     if run.stride is not None and policy.whole_prompt:
         prefill = policy_cfg.get("prefill")

@@ -168,7 +168,8 @@ def kvbench_attention(
     needs = attention_names(layer.policy.needs) if step.collects else frozenset()
     if not step.prepares:
         needs = needs - {s.name for s in declared(needs, Logged)}
-    collecting = Collecting(needs, layer.policy.history) if needs else NOTHING
+    log = layer.entries.log  # the policy's history, or the question's length where the score observes it
+    collecting = Collecting(needs, log.history if log is not None else layer.policy.history) if needs else NOTHING
     if step.replay is not None:
         return _replay_pass(module, query, key, value, layer, step.replay, access), None
     if q == 1:

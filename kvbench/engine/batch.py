@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -84,6 +85,9 @@ class BatchLoop:
         self.finished: list[Finished] = []
 
     def _sequence(self, index: int, request: Request) -> Sequence:
+        observe = None
+        if self.policy.question and self.stage.evicts_in(Phase.prefill):
+            request, observe = with_question(request)
         context, suffix = len(request.input_ids), len(request.suffix_ids)
         if context < 1:
             raise ValueError("the prompt is empty")
@@ -102,7 +106,7 @@ class BatchLoop:
         fed = 2 * context if rereads else context
         chunk = self.settings.stride or fed
         held = tokens if self.policy.evicts else None
-        plans = plan_layers(self.policy, held, self.windows, self.stage, fed, suffix, new, chunk, longest)
+        plans = plan_layers(self.policy, held, self.windows, self.stage, fed, suffix, new, chunk, longest, observe)
         if request.context_id is not None:
             self.contexts.join(request.context_id, request.input_ids, plans, evicts)
         return Sequence(index, request, plans, tokens, chunk, self.device, replays=replays, rereads=rereads)
@@ -331,3 +335,20 @@ class BatchLoop:
                 last.lane = seq.lane
             self.live.pop()
             seq.cache = None
+
+
+def with_question(request: Request) -> tuple[Request, int]:
+    """A request for a score that observes the prompt's question (Finch): its suffix, the question the task feeds
+    apart, joins the prompt, compressed with it, and the score is told how many of the prompt's last tokens it is."""
+    if not request.suffix_ids:
+        raise ValueError(
+            "the policy's score observes the prompt's question, and this request has none apart from its context "
+            "(suffix_ids); give the question as the suffix (a task's question_aware=false)"
+        )
+    if request.context_id is not None:
+        raise ValueError(
+            "the policy's score compresses each context with its own question, so contexts cannot be shared "
+            "between questions; use task.ask=all"
+        )
+    joined = replace(request, input_ids=[*request.input_ids, *request.suffix_ids], suffix_ids=[])
+    return joined, len(request.suffix_ids)

@@ -10,7 +10,7 @@ policy always evicts in the sliding layers, holding at most min(budget, window -
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbench.policies.base import Policy
 from kvbench.policies.full import never_evicting
@@ -32,6 +32,7 @@ class LayerPlan:
     total: int
     window: int | None = None
     policy: Policy | None = None
+    observe: int | None = None  # the prompt's last tokens that are its question, for a score that observes it
 
     @property
     def window_keep(self) -> int | None:
@@ -127,9 +128,11 @@ def plan_layers(
     max_new: int,
     chunk: int,
     replay: int = 0,
+    observe: int | None = None,
 ) -> list[LayerPlan]:
     """One plan per decoder layer (``windows``: each layer's sliding window, None for full attention); ``replay``:
-    the longest replay pass the prompt gets (KVzip's), which every layer holds over what it holds of the prompt."""
+    the longest replay pass the prompt gets (KVzip's), which every layer holds over what it holds of the prompt;
+    ``observe``: the question's tokens at the prompt's end, for a score that observes them."""
     problem = sliding_problem(policy, windows)
     if problem:
         raise ValueError(problem)
@@ -159,4 +162,4 @@ def plan_layers(
             plans.append(LayerPlan(b, min(hold_cap[0], caps[0]), min(hold_cap[1], caps[1]), total, window))
         else:
             plans.append(LayerPlan(None, *hold_cap, total, window, policy=held_window))
-    return plans
+    return [replace(plan, observe=observe) for plan in plans] if observe is not None else plans

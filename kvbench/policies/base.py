@@ -62,6 +62,10 @@ class Score(ABC):
     # the first pass's entries, then the second pass's entries are dropped and the positions go back to the
     # prompt's end. Only where the prompt's eviction drops something; implies ``whole_prompt``.
     rereads: bool = False
+    # True: the score's observation window is the prompt's question (Finch): the engine compresses the context and
+    # the question together and tells the score how many of the prompt's last tokens are the question
+    # (``TokenState.observe``).
+    question: bool = False
 
     @abstractmethod
     def __call__(self, state: TokenState) -> torch.Tensor:
@@ -101,6 +105,7 @@ DECLARATIONS = (
     "whole_prompt",
     "replay",
     "rereads",
+    "question",
 )
 
 
@@ -161,6 +166,9 @@ class Allocation:
     # True when one split spans every layer of a sequence (``global``): the cache then evicts a sequence's layers
     # together, once their total exceeds ``layers × heads × budget``, and a row may hold any share of it.
     pools_layers: bool = False
+    # Statistics the allocation itself reads from the state (``keep_state``): CAKE's layer preferences read the
+    # score's query log.
+    needs: frozenset[str] = frozenset()
 
     def layers_problem(self, n_layers: int) -> str | None:
         """Why this allocation cannot split a budget over ``n_layers`` layers (an explicit list of another
@@ -186,7 +194,8 @@ class Allocation:
 
     def keep_rows(self, scores: torch.Tensor, state: TokenState, budget: int) -> torch.Tensor:
         """The keep mask of a view's rows: ``keep`` on their scores. An allocation whose split depends on which
-        (layer, KV head) each row is (``headkv``'s saved per-head weights) reads ``state.row_keys`` instead."""
+        (layer, KV head) each row is (``headkv``'s saved per-head weights) reads ``state.row_keys``; one that
+        depends on more of the state than the scores (CAKE's layer preferences) reads that."""
         return self.keep(scores, state.valid, budget, state.units)
 
     def heads_problem(self, n_layers: int, kv_heads: int) -> str | None:
@@ -260,6 +269,11 @@ class Policy:
             )
         if self.channels is not None:
             self._check_channels()
+        if "qlog" in self.allocation.needs and self.evicts and self.score.history < 1:
+            raise ValueError(
+                f"allocation={self.allocation.describe()} reads the attention of the score's observation window, "
+                f"and score {type(self.score).__name__} keeps none; use a windowed score (score.kind=cake or snapkv)"
+            )
         unknown = sorted(set(self.score.weights) - set(WEIGHTS))
         if unknown:
             raise ValueError(
@@ -287,7 +301,7 @@ class Policy:
         if not self.evicts:
             return frozenset()
         merging = self.merge.needs if isinstance(self.merge, Merge) else frozenset()
-        return self.score.needs | self.scope.needs | merging
+        return self.score.needs | self.scope.needs | self.allocation.needs | merging
 
     @property
     def budgeted(self) -> bool:
@@ -341,6 +355,11 @@ class Policy:
     def replay(self) -> Replay | None:
         """The replay passes the score reads after the prompt (none for a cache that never evicts)."""
         return self.score.replay if self.evicts else None
+
+    @property
+    def question(self) -> bool:
+        """Whether the score observes the prompt's question (never for a cache that never evicts)."""
+        return self.score.question and self.evicts
 
     @property
     def row_sums(self) -> tuple[RowSum, ...]:

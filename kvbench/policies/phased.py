@@ -38,6 +38,7 @@ class PhasedScore(Score):
         self.whole_prompt = prefill.whole_prompt  # only a prompt is scored whole
         self.replay = prefill.replay  # only a prompt is replayed
         self.rereads = prefill.rereads  # only a prompt is fed twice
+        self.question = prefill.question  # only a prompt has a question
         if prefill.queries is not None and decode.queries is not None and prefill.queries != decode.queries:
             raise ValueError(
                 f"the prefill and decode scores read different queries ({prefill.queries} and {decode.queries}); "

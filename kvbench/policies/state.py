@@ -57,6 +57,9 @@ class TokenState:
     computes more cheaply itself, ``lengths`` the count per row. ``rope`` (where the score declared ``rope``):
     each row's RoPE, to rotate vectors to positions and read ``keys_before_rope``.
 
+    ``observe``: how many of the prompt's last tokens are its question, where the engine compresses the question with
+    the context for a score that observes it (``Score.question``); None otherwise.
+
     While the policy evicts, ``budget`` is the eviction's per-row budget (the average under per-head allocation),
     and ``ranked`` and ``kept_by`` apply its scope and allocation to any scores (None and errors outside).
     """
@@ -82,6 +85,7 @@ class TokenState:
         queries: torch.Tensor | None = None,
         rope: RowRope | None = None,
         budget: int | None = None,
+        observe: int | None = None,
     ):
         if positions is None:
             raise ValueError("TokenState needs positions")
@@ -104,6 +108,7 @@ class TokenState:
         self.row_sums = row_sums or {}
         self.queries = queries
         self.rope, self.budget = rope, budget
+        self.observe = observe
         self._zeroed = False
         self._rank: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._keep: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -42,6 +42,8 @@ def unmeasurable(policy: Policy) -> str | None:
         return "it reads the model's RoPE, which profiling does not record"
     if policy.replay is not None:
         return "it reads the attention of replay passes after the prompt, which profiling does not run"
+    if policy.question:
+        return "it reads the attention of the prompt's question, which profiling does not set apart"
     return None
 
 

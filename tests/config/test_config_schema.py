@@ -32,8 +32,9 @@ def hydra_configs():
 def test_every_policy_gets_the_extras_and_takes_their_overrides(hydra_configs):
     for name in POLICIES:
         cfg = compose("config", overrides=[*TINY, f"policy={name}"])
-        merges = yaml.safe_load((CONFIG_DIR / "policy" / f"{name}.yaml").read_text()).get("merge", False)
-        assert (cfg.policy.merge, cfg.policy.quantize, cfg.policy.positions) == (merges, "none", "absolute"), name
+        own = yaml.safe_load((CONFIG_DIR / "policy" / f"{name}.yaml").read_text())
+        merges, positions = own.get("merge", False), own.get("positions", "absolute")  # Finch's re-indexes
+        assert (cfg.policy.merge, cfg.policy.quantize, cfg.policy.positions) == (merges, "none", positions), name
         changed = compose(
             "config", overrides=[*TINY, f"policy={name}", "policy.quantize=int8", "policy.positions=reindex"]
         )

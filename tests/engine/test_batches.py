@@ -49,14 +49,16 @@ def named(name: str, model=None, **extra):
     return build_policy(cfg if model is None else with_calibration(cfg, model))
 
 
-def requests(lengths=LENGTHS, news=NEW, ids_seed: int = 0, high: int = 250, **settings) -> list[Request]:
+def requests(
+    lengths=LENGTHS, news=NEW, ids_seed: int = 0, high: int = 250, question: int = 0, **settings
+) -> list[Request]:
+    """Prompts of ``lengths`` tokens, the last ``question`` of each fed apart as its question (the suffix)."""
     g = torch.Generator().manual_seed(ids_seed)
-    return [
-        Request(
-            torch.randint(0, high, (n,), generator=g).tolist(), settings=DecodeSettings(max_new_tokens=m, **settings)
-        )
-        for n, m in zip(lengths, news)
-    ]
+    out = []
+    for n, m in zip(lengths, news):
+        ids = torch.randint(0, high, (n,), generator=g).tolist()
+        out.append(Request(ids[: n - question], ids[n - question :], DecodeSettings(max_new_tokens=m, **settings)))
+    return out
 
 
 def assert_same_as_alone(batched: Generation, alone: Generation, where: str) -> None:
@@ -224,7 +226,7 @@ def test_every_named_policy_in_every_stage_batched_equals_alone(tiny, name):
     policy = named(name, tiny.model)
     if policy.interval > 2:  # a named buffer (R-KV's 128 steps) outlasts this run: evict every other step
         policy = named(name, tiny.model, interval=2)
-    reqs = requests()
+    reqs = requests(question=4 if policy.question else 0)  # a policy observing the question (Finch) gets one
     for stage in [s for s in ("prefill", "decode", "both") if s not in policy.unsupported_stages]:
         stride = None if policy.whole_prompt else 8  # a score reading every prompt query needs it in one step
         out = check_batch(tiny.model, reqs, policy, 0.4, stage, batch_size=3, stride=stride, heads=2)

@@ -105,9 +105,11 @@ def test_the_fused_and_the_modules_forward_both_equal_generate(device_tiny, hf_r
 @pytest.mark.parametrize("name", NAMED)
 def test_a_batch_of_three_equals_each_sequence_alone(device_tiny, name):
     policy = named(name)
-    reqs = requests(lengths=(40, 25, 33, 50), news=(12, 5, 9, 12))
+    # a policy observing the question (Finch) gets one, and the prompt with it in one step
+    reqs = requests(lengths=(40, 25, 33, 50), news=(12, 5, 9, 12), question=4 if policy.question else 0)
+    stride = None if policy.question else 8
     for stage in [s for s in ("prefill", "decode", "both") if s not in policy.unsupported_stages]:
-        out = check_batch(device_tiny.model, reqs, policy, 0.4, stage, batch_size=3, stride=8, heads=2)
+        out = check_batch(device_tiny.model, reqs, policy, 0.4, stage, batch_size=3, stride=stride, heads=2)
         if policy.evicts:
             assert any(g.measures.budget_achieved < 0.99 for g in out), (name, stage)
         assert max(s for g in out for s in g.decode_batch_sizes) == 3

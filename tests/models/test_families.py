@@ -56,13 +56,28 @@ def runs_on(family: str, policy: dict) -> bool:
         return False
     if built.rereads and any(w is not None for w in windows):
         return False
+    if built.positions == "reindex" and family in NO_ROPE:  # refused there (tested below)
+        return False
     return family not in NO_ROPE or built.queries is None or built.queries.rope
 
 
-def traced(model, prompt: list[int], policy, budget: float, stage: str, stride: int | None):
+QUESTION = 3  # the prompt's last tokens, fed as the question to a policy that observes one (Finch)
+
+
+def asked(policy: dict, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """The prompt as (context, question): a policy observing the question gets its last QUESTION tokens apart
+    (the engine compresses them with the context, so the forwards are the whole prompt's as for any policy)."""
+    if build_policy(policy).question:
+        return prompt[:-QUESTION], prompt[-QUESTION:]
+    return prompt, []
+
+
+def traced(model, prompt: list[int], policy, budget: float, stage: str, stride: int | None, question=()):
     """kvbench's run with its logits and the kept positions of every step, for the masked eager replay."""
     settings = DecodeSettings(max_new_tokens=NEW)
-    return generate(model, None, prompt, policy, budget, stage, settings, stride=stride, return_logits=True, trace=True)
+    return generate(
+        model, None, prompt, policy, budget, stage, settings, list(question), stride, return_logits=True, trace=True
+    )
 
 
 # Which cells of the method × family matrix run by default (docs/testing.md): every method on the families whose
@@ -123,7 +138,12 @@ REPLAYED = [
 
 
 def replay_variants(family: str) -> list[tuple[str, dict]]:
-    variants: list[tuple[str, dict]] = [(name, {}) for name in REPLAYED]
+    # eager attention replays at the true positions: a re-indexing config (Finch's) is replayed with them, its
+    # kept sets the same (its score reads no RoPE)
+    absolute = {"positions": "absolute"}
+    variants: list[tuple[str, dict]] = [
+        (name, absolute if NAMED[name].get("positions") == "reindex" else {}) for name in REPLAYED
+    ]
     if family in SLIDING:
         variants += [(name, {"sliding_layers": "evict"}) for name in ("h2o", "adakv", "window")]
     return variants
@@ -150,16 +170,18 @@ def test_every_policy_at_a_budget_of_the_length_equals_the_familys_generate(fami
     model = tiny(family)
     ref_tokens, ref_logits = greedy(family, tuple(prompt))
     policy = keeping_all(for_family(family, named(name, **extra)))
+    context, question = asked(policy, prompt)
     for stage in stages(policy):
         stride = None if stage == "prefill" else 7  # one chunk, and chunks shorter than the window and longer
         g = generate(
             model,
             None,
-            prompt,
+            context,
             build_policy(policy),
             PROMPT + NEW,
             stage,
             DecodeSettings(max_new_tokens=NEW),
+            question,
             stride=stride,
             return_logits=True,
         )
@@ -178,7 +200,8 @@ def test_eviction_equals_the_familys_eager_attention_masked_to_the_kept_set(fami
             continue
         built = build_policy(policy)
         budget = max(4, built.scope.min_budget())
-        g = traced(model, prompt, built, budget, stage, stride)
+        context, question = asked(policy, prompt)
+        g = traced(model, context, built, budget, stage, stride, question)
         where = f"{family} {name} {extra} {stage} stride={stride}"
         replayed = eager_replay(model, prompt, g.tokens, g.trace, stride)
         torch.testing.assert_close(g.logits, replayed, rtol=1e-4, atol=1e-4, msg=where)

@@ -91,15 +91,17 @@ def test_every_named_policy_runs_in_every_stage_and_sliding_layers_hold_at_most_
             policy = build_policy(fit_layers(cfg, windows.count(None)) | extra)  # a list: the global layers'
             if extra and name not in ("h2o", "snapkv", "adakv", "streamingllm"):
                 continue
+            asked = len(ids) - (16 if policy.question else 0)  # Finch observes a question: the last 16 tokens
             for stage in (s for s in ("prefill", "decode", "both") if s not in policy.unsupported_stages):
                 g = generate(
                     gemma.model,
                     gemma.tokenizer,
-                    ids,
+                    ids[:asked],
                     policy,
                     0.25,
                     stage,
                     DecodeSettings(max_new_tokens=4),
+                    ids[asked:],
                     stride=None if policy.whole_prompt else 256,  # a whole-prompt score reads every prompt query
                     trace=True,
                 )

@@ -54,11 +54,11 @@ def test_tiny_profile_and_report(tmp_path, one_thread):
         assert values[-1] == pytest.approx(1.0), name  # the whole prompt kept
     assert {k for k, v in data["kinds"].items() if v == "score"} == {f"score/{s}" for s in measurable_scores()}
     # Every registered score but those reading what a profile does not record (the step's queries, RoPE, the
-    # attention of replay passes).
+    # attention of replay passes or of the question).
     assert set(SCORES.names()) - set(measurable_scores()) == {
         s
         for s, policy in bare_scores(SCORES.names()).items()
-        if policy.queries is not None or policy.rope or policy.replay is not None
+        if policy.queries is not None or policy.rope or policy.replay is not None or policy.question
     }
     assert {"snapkv", "accumulated", "key_norm"} <= set(measurable_scores())
     write_profile(data, tmp_path)

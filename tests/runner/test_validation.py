@@ -13,10 +13,13 @@ import sys
 import pytest
 import torch
 from conftest import REPO, SHARED_DATA, registries
+from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 import kvbench.models
 import kvbench.run as entry
+from kvbench.config.spec import ConfigError
+from kvbench.config.validate import validate, validate_engine
 from kvbench.policies.base import Score
 from kvbench.policies.parts import register_score
 from kvbench.runner import model_cache
@@ -260,6 +263,24 @@ CASES = [
         ["policy=chunkkv", "policy.allocation=adaptive"],
         "policy=chunkkv: score.shared=true (on the score or its base) keeps one set per layer",
     ),
+    (
+        ["policy=entropy_gated_chunkkv", "policy.score.low_entropy_chunk=10"],
+        "policy=entropy_gated_chunkkv: entropy_gated_chunkkv needs chunk > low_entropy_chunk >= 1",
+    ),
+    (["policy=cake", "policy.allocation.tau1=0"], "policy=cake: cake tau1=0, tau2=1.0 must be > 0"),
+    (["policy=cake", "stage=both"], "policy=cake cannot run in stage=both; use stage in ['prefill']"),
+    # Finch observes the question: the task must feed it apart from the context, one question per context.
+    (
+        ["policy=finch"],
+        "policy=finch observes the prompt's question, and task=retrieval compresses its question with the context; "
+        "add task.question_aware=false",
+    ),
+    (
+        ["policy=finch", "task.question_aware=false", "stride=64"],
+        "policy=finch compresses the prompt once, observing the question at its end, so it needs the prompt in one "
+        "step; use stride=null",
+    ),
+    (["policy=finch", "stage=both"], "policy=finch cannot run in stage=both; use stage in ['prefill']"),
     (["policy=lagkv", "policy.score.lag_size=0"], "policy=lagkv: lagkv lag_size=0 must be at least 1 token"),
     # R-KV compresses what the model generates.
     (["policy=rkv", "stage=prefill"], "policy=rkv cannot run in stage=prefill; use stage in ['decode', 'both']"),
@@ -489,3 +510,34 @@ Hydra itself refuses, with exit status 1 and its own message, an unknown option 
 (`policy=nope`: it lists the available ones), an unknown key (`budgett=0.5`: `Key 'budgett' is not in struct`)
 and a malformed override; in a sweep it does so before any cell runs.
 """
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["task=perplexity"], "task=perplexity gives no question apart from its context"),
+        (
+            ["task=longbench", "task.ask=each", "task.question_aware=false"],
+            "task=longbench compresses one context for several questions; use task.ask=all",
+        ),
+    ],
+)
+def test_finch_is_refused_where_a_task_gives_no_question_of_its_own(cli, overrides, message):
+    code, err = cli("model=tiny-llama", "policy=finch", *overrides, f"task.data_dir={SHARED_DATA}/longbench")
+    line = one_message(err)
+    assert code == 2 and "policy=finch observes the prompt's question" in line and message in line, line
+
+
+def test_finch_passes_where_the_task_feeds_its_question_apart():
+    """The refusals above are Finch's only: the same cell with the question fed apart validates."""
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        config = compose("config", overrides=[*TINY, "policy=finch", "task.question_aware=false"])
+    assert validate(config).policy.question
+
+
+def test_finch_is_refused_for_a_harness_that_brings_its_own_requests():
+    """lm-eval's requests come whole, with no question apart: the engine-only check refuses Finch, before weights."""
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        config = compose("config", overrides=[*TINY, "policy=finch"])
+    with pytest.raises(ConfigError, match="a harness's own requests do not give apart from the context"):
+        validate_engine(config)

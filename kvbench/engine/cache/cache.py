@@ -117,7 +117,9 @@ class KVCache(Cache):
             {n for policy in policies for n in stored_names(policy.needs)}
             | {n for policy in policies for n in policy.feature_names}
         )
-        history = max(policy.history for policy in policies)
+        # a score observing the question logs all of its queries
+        observed = [plans[0].observe or 0 for plans in self.plan_sets if plans and any(p.question for p in policies)]
+        history = max([policy.history for policy in policies] + observed)
         rows = self.lanes * shapes.heads
         stores = [
             KVStore(rows, cap, shapes.k_dim, shapes.v_dim, shapes.dtype, self.device, policy.quantize)

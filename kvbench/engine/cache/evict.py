@@ -30,6 +30,7 @@ class Group:
     budget: int
     window: int | None
     units: list[tuple[int, int]] = field(default_factory=list)  # (layer, lane)
+    observe: int | None = None  # the question's tokens at the prompt's end (``TokenState.observe``)
 
 
 @dataclass
@@ -116,6 +117,7 @@ def group_state(
         row_keys=keys.unsqueeze(1),
         rope=row_rope(entries, rows, policy, step) if policy.rope else None,
         budget=group.budget,
+        observe=group.observe,
     )
 
 

@@ -45,6 +45,7 @@ class Evictor:
         self.inputs = inputs  # the score's declared weights, and the step's queries its layers left there
         self.history = max((p.history for p in policies), default=0)  # the query log's length, in steps
         self.budgets: list[list[int | None]] = [[None] * lanes for _ in plans]
+        self.observes: list[int | None] = [None] * lanes  # each lane's question tokens (``LayerPlan.observe``)
         self.seen = [0] * lanes
         self.prompt = [0] * lanes  # tokens the lane's sequence was fed in prompt steps (its prompt and suffix)
         self.waited = [0] * lanes  # decode steps since the lane's last evicting one
@@ -56,6 +57,7 @@ class Evictor:
         """Lane ``lane`` now holds a sequence with these plans (its budgets)."""
         for layer, plan in enumerate(plans):
             self.budgets[layer][lane] = plan.budget
+        self.observes[lane] = plans[0].observe if plans else None
         self.waited[lane] = 0
         self.prompt[lane] = 0
 
@@ -64,6 +66,7 @@ class Evictor:
             self.budgets[layer][dst] = source.budgets[layer][src]
         self.seen[dst] = source.seen[src]
         self.prompt[dst] = source.prompt[src]
+        self.observes[dst] = source.observes[src]
         self.waited[dst] = source.waited[src]
 
     def prepares(self, lanes: range) -> bool:
@@ -110,14 +113,16 @@ class Evictor:
                 budget = self.budgets[layer][s]
                 if due[s - lo] and policy.evicts and budget is not None:
                     size = sum(counts) if per_head else counts[0]
+                    observe = self.observes[s]
                     if policy.allocation.pools_layers:
                         key = pool_key(plan, policy, budget, s)
                         joins = over[key] or policy.allocation.thresholded
                     else:
-                        key = group_key(plan, policy, layer, budget, size)
+                        key = (*group_key(plan, policy, layer, budget, size), observe)
                         joins = size > (budget * e.heads if per_head else budget) or policy.allocation.thresholded
                     if joins:
-                        groups.setdefault(key, evicting.Group(policy, budget, plan.window)).units.append((layer, s))
+                        group = evicting.Group(policy, budget, plan.window, observe=observe)
+                        groups.setdefault(key, group).units.append((layer, s))
                         continue
                 if keep is not None and max(counts) > keep:
                     if per_head:
@@ -185,7 +190,9 @@ class Evictor:
         lengths = e.lengths.view(-1).index_select(0, rows)
         n = int(lengths.max())
         ragged = policy.allocation.per_head or bool((lengths != n).any())
-        group = evicting.Group(policy, self.budgets[layer][lane] or n, self.plans[layer].window)
+        group = evicting.Group(
+            policy, self.budgets[layer][lane] or n, self.plans[layer].window, observe=self.observes[lane]
+        )
         return evicting.group_state(e, rows, n, group, self._step_rows(e), lengths if ragged else None, stores)
 
     def _trim_ragged(self, e: Entries, layer: int, lanes: range) -> None:

@@ -35,7 +35,7 @@ class SnapKV(Score):
     """
 
     needs = frozenset({"qlog", "count"})
-    unsupported_stages = ("decode",)
+    unsupported_stages: tuple[str, ...] = ("decode",)
     why_unsupported = "SnapKV scores the prompt from its observation window and compresses the prompt only"
 
     def __init__(self, window: int = 32, kernel_size: int = 7, pooling: str = "avg", window_score: str = "own"):
