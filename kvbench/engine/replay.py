@@ -85,32 +85,18 @@ def replay_statistics(
 ) -> dict[str, torch.Tensor]:
     """``replay_max`` [kv heads, n] of a replay pass's layer (query [1, hq, q, D], key and value [1, hkv, n, D]):
     per chunk entry, the largest over the pass's queries and the KV head's query heads of the probability it gets
-    from a softmax over the sink entries, the chunk and the pass's own tokens (causal); 0 elsewhere."""
+    from a softmax over the sink entries, the chunk and the pass's own tokens (causal); 0 elsewhere. Each block of
+    queries' logits over those keys is materialised (``replay_attention`` is the fused path)."""
     hq, q = query.shape[1], query.shape[2]
     hkv, n = key.shape[1], key.shape[2]
-    group, past = hq // hkv, n - q
-    positions = layer.key_positions
-    assert positions is not None, "the layer knows its keys' positions while it attends"
-    held = positions[0, :past]
-    if bool((positions[:, :past] != held).any()):
-        raise RuntimeError("a replay pass needs every row of a layer to hold the same prompt positions")
-    sinks = (held >= 0) & (held < span.sinks)
-    chunk = (held >= span.start) & (held < span.end)
-    seen = (sinks | chunk).nonzero().squeeze(1)
-    scored = chunk[seen].nonzero().squeeze(1)  # the chunk's columns among those seen
-    keys = torch.cat([key[0, :, seen], key[0, :, past:]], dim=1).float()  # [hkv, m, D]
+    seen, scored = _seen(layer, span, n - q)
+    keys = torch.cat([key[0, :, seen], key[0, :, n - q :]], dim=1).float()  # [hkv, m, D]
     own = seen.shape[0]
-    queries = query[0].float().view(hkv, group, q, -1) * access.scaling
-    replay = layer.policy.replay
-    plus = replay is not None and replay.plus
-    if plus and layer.hidden_norm is None:
-        raise RuntimeError("a KVzip+ pass reads its queries' hidden states: run it inside engine.replay.hidden_norms")
-    weight = _output_norms(layer, value[0, :, seen[scored]]) if plus else None
+    queries = query[0].float().view(hkv, hq // hkv, q, -1) * access.scaling
+    weight = _weight(layer, value, seen, scored)
+    norms = layer.hidden_norm if weight is not None else None
     count = scored.shape[0]
-    # The chunk's columns are one run among those seen once the prompt is packed: a view, not a gather.
-    columns: slice | torch.Tensor = scored
-    if count and int(scored[-1]) - int(scored[0]) + 1 == count:
-        columns = slice(int(scored[0]), int(scored[0]) + count)
+    columns = _columns(scored)
     best = torch.zeros(hkv, count, device=key.device)
     for lo in range(0, q if count else 0, QUERY_BLOCK):
         hi = min(q, lo + QUERY_BLOCK)
@@ -119,17 +105,137 @@ def replay_statistics(
         logits[..., own:].masked_fill_(later, float("-inf"))
         # A probability is exp(logit - logsumexp): the largest over queries is taken on the logits, and only the
         # chunk's [hkv, group, chunk] maxima are exponentiated (a softmax would exponentiate every logit).
-        normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
-        if weight is not None:
-            assert layer.hidden_norm is not None, "KVzip+ reads the queries' hidden-state norms"
-            normaliser += layer.hidden_norm[lo:hi].float().log().view(1, 1, -1, 1)
-        top = logits[..., columns].sub_(normaliser).amax(dim=2).exp_()  # [hkv, group, chunk]
-        if weight is not None:
-            top *= weight
-        best = torch.maximum(best, top.amax(dim=1))
-    out = torch.zeros(hkv, n, device=key.device)
-    out[:, seen[scored]] = best
-    return {"replay_max": out}
+        normaliser = _shifted(torch.logsumexp(logits, dim=-1, keepdim=True), norms, lo, hi)
+        best = _fold(best, logits[..., columns], normaliser, weight)
+    return {"replay_max": _scattered(best, seen[scored], n)}
+
+
+def replay_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: CacheLayer,
+    span: Reconstruction,
+    access: KeyAccess,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A replay pass's output [1, q, hq, Dv] (every key visible, causal among the pass's own) and
+    ``replay_statistics`` from fused attention, for a CPU layer with no softcap, window or hidden entries: one fused
+    attention over the sinks, the chunk and the pass's own tokens gives each query's logsumexp over them (the
+    reconstruction softmax's normaliser) and its output over them; a second over the other entries, merged by
+    their logsumexps, completes the output. Only the chunk's logits are then materialised, a block at a time."""
+    hq, q = query.shape[1], query.shape[2]
+    hkv, n = key.shape[1], key.shape[2]
+    group, past = hq // hkv, n - q
+    seen, scored = _seen(layer, span, past)
+    others = torch.ones(past, dtype=torch.bool, device=key.device)
+    others[seen] = False
+    rest = others.nonzero().squeeze(1)
+    own = seen.shape[0]
+    # An own token after the query is hidden (the pass's queries are its own tokens' last q of m keys).
+    mask = torch.zeros(q, own + q, device=key.device)
+    later = torch.ones(q, q, dtype=torch.bool, device=key.device).triu_(1)
+    mask[:, own:].masked_fill_(later, float("-inf"))
+    queries = query.float()
+    output, lse = _fused(queries, _gathered(key, seen, past), _gathered(value, seen, past), group, access, mask)
+    if rest.shape[0]:
+        other, lse_other = _fused(queries, key[0, :, rest].float(), value[0, :, rest].float(), group, access, None)
+        total = torch.logaddexp(lse, lse_other)
+        output = output * (lse - total).exp_().unsqueeze(-1) + other * (lse_other - total).exp_().unsqueeze(-1)
+    weight = _weight(layer, value, seen, scored)
+    norms = layer.hidden_norm if weight is not None else None
+    count = scored.shape[0]
+    chunk_keys = key[0, :, seen[scored]].float().transpose(1, 2).unsqueeze(1)  # [hkv, 1, D, c]
+    scaled = queries[0].view(hkv, group, q, -1) * access.scaling
+    normalisers = lse.view(hkv, group, q, 1)
+    best = torch.zeros(hkv, count, device=key.device)
+    for lo in range(0, q if count else 0, QUERY_BLOCK):
+        hi = min(q, lo + QUERY_BLOCK)
+        logits = torch.matmul(scaled[:, :, lo:hi], chunk_keys)
+        best = _fold(best, logits, _shifted(normalisers[:, :, lo:hi], norms, lo, hi), weight)
+    stats = {"replay_max": _scattered(best, seen[scored], n)}
+    return output.transpose(1, 2).contiguous().to(query.dtype), stats
+
+
+def _fused(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    group: int,
+    access: KeyAccess,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU fused attention of queries [1, hq, q, D] over keys and values [hkv, m, D] (each KV head's repeated for its
+    group), ``mask`` [q, m] added to the logits: the output [1, hq, q, Dv] and each query's logsumexp [1, hq, q]."""
+    hkv, m = keys.shape[0], keys.shape[1]
+    heads = lambda t: t.unsqueeze(1).expand(hkv, group, m, t.shape[-1]).reshape(1, hkv * group, m, -1)  # noqa: E731
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        queries, heads(keys), heads(values), dropout_p=0.0, is_causal=False, attn_mask=mask, scale=access.scaling
+    )
+    return output, lse
+
+
+def _gathered(tensor: torch.Tensor, seen: torch.Tensor, past: int) -> torch.Tensor:
+    """The seen entries then the pass's own, [hkv, m, D] in float32, of a layer's keys or values [1, hkv, n, D]."""
+    return torch.cat([tensor[0, :, seen], tensor[0, :, past:]], dim=1).float()
+
+
+def _seen(layer: CacheLayer, span: Reconstruction, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices of the past entries a pass's softmax spans (its sinks and its chunk), and the chunk's among
+    them."""
+    positions = layer.key_positions
+    assert positions is not None, "the layer knows its keys' positions while it attends"
+    held = positions[0, :past]
+    if bool((positions[:, :past] != held).any()):
+        raise RuntimeError("a replay pass needs every row of a layer to hold the same prompt positions")
+    sinks = (held >= 0) & (held < span.sinks)
+    chunk = (held >= span.start) & (held < span.end)
+    seen = (sinks | chunk).nonzero().squeeze(1)
+    return seen, chunk[seen].nonzero().squeeze(1)
+
+
+def _weight(layer: CacheLayer, value: torch.Tensor, seen: torch.Tensor, scored: torch.Tensor) -> torch.Tensor | None:
+    """KVzip+'s ‖W_o v‖ of the chunk's entries [hkv, group, c] (None for KVzip)."""
+    replay = layer.policy.replay
+    if replay is None or not replay.plus:
+        return None
+    if layer.hidden_norm is None:
+        raise RuntimeError("a KVzip+ pass reads its queries' hidden states: run it inside engine.replay.hidden_norms")
+    return _output_norms(layer, value[0, :, seen[scored]])
+
+
+def _columns(scored: torch.Tensor) -> slice | torch.Tensor:
+    """The chunk's columns among those seen: a slice where they are one run (as once the prompt is packed), so that
+    they are read as a view, not gathered."""
+    count = scored.shape[0]
+    if count and int(scored[-1]) - int(scored[0]) + 1 == count:
+        return slice(int(scored[0]), int(scored[0]) + count)
+    return scored
+
+
+def _shifted(normaliser: torch.Tensor, norms: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+    """A block of queries' log-normalisers [hkv, group, b, 1], plus (KVzip+) the log of their hidden states' norms
+    [q]."""
+    if norms is None:
+        return normaliser
+    return normaliser + norms[lo:hi].float().log().view(1, 1, -1, 1)
+
+
+def _fold(
+    best: torch.Tensor, logits: torch.Tensor, normaliser: torch.Tensor, weight: torch.Tensor | None
+) -> torch.Tensor:
+    """``best`` [hkv, c] raised to a block's largest probability (times KVzip+'s weight) of each chunk entry, from
+    its logits [hkv, group, b, c] (overwritten) and log-normalisers [hkv, group, b, 1]."""
+    top = logits.sub_(normaliser).amax(dim=2).exp_()  # [hkv, group, c]
+    if weight is not None:
+        top *= weight
+    return torch.maximum(best, top.amax(dim=1))
+
+
+def _scattered(best: torch.Tensor, entries: torch.Tensor, n: int) -> torch.Tensor:
+    """The chunk's maxima [hkv, c] at their entries of the layer's n, 0 elsewhere."""
+    out = torch.zeros(best.shape[0], n, device=best.device)
+    out[:, entries] = best
+    return out
 
 
 def _output_norms(layer: CacheLayer, values: torch.Tensor) -> torch.Tensor:
