@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
 QUERY_BLOCK = 256  # reconstruction queries attended at once
+CHUNK_QUERY_BLOCK = 128  # queries whose logits over the chunk are materialised at once (fused attention)
 VALUE_BLOCK = 512  # values projected through W_o at once (KVzip+)
 
 Pass = tuple[Reconstruction, list[int]]
@@ -106,7 +107,7 @@ def replay_statistics(
         # A probability is exp(logit - logsumexp): the largest over queries is taken on the logits, and only the
         # chunk's [hkv, group, chunk] maxima are exponentiated (a softmax would exponentiate every logit).
         normaliser = _shifted(torch.logsumexp(logits, dim=-1, keepdim=True), norms, lo, hi)
-        best = _fold(best, logits[..., columns], normaliser, weight)
+        best = _fold(best, logits[..., columns], normaliser, weight, 2)
     return {"replay_max": _scattered(best, seen[scored], n)}
 
 
@@ -119,10 +120,11 @@ def replay_attention(
     access: KeyAccess,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A replay pass's output [1, q, hq, Dv] (every key visible, causal among the pass's own) and
-    ``replay_statistics`` from fused attention, for a CPU layer with no softcap, window or hidden entries: one fused
-    attention over the sinks, the chunk and the pass's own tokens gives each query's logsumexp over them (the
-    reconstruction softmax's normaliser) and its output over them; a second over the other entries, merged by
-    their logsumexps, completes the output. Only the chunk's logits are then materialised, a block at a time."""
+    ``replay_statistics`` from fused attention, for a CPU layer with no softcap, window or hidden entries. Three
+    fused attentions, over the sinks and the chunk, over the pass's own tokens (causal) and over the other entries,
+    each give their output and each query's logsumexp: the first two's logsumexps make the reconstruction softmax's
+    normaliser, and all three, merged by their logsumexps, the output. Only the chunk's logits are then
+    materialised, a block of queries at a time."""
     hq, q = query.shape[1], query.shape[2]
     hkv, n = key.shape[1], key.shape[2]
     group, past = hq // hkv, n - q
@@ -130,53 +132,49 @@ def replay_attention(
     others = torch.ones(past, dtype=torch.bool, device=key.device)
     others[seen] = False
     rest = others.nonzero().squeeze(1)
-    own = seen.shape[0]
-    # An own token after the query is hidden (the pass's queries are its own tokens' last q of m keys).
-    mask = torch.zeros(q, own + q, device=key.device)
-    later = torch.ones(q, q, dtype=torch.bool, device=key.device).triu_(1)
-    mask[:, own:].masked_fill_(later, float("-inf"))
     queries = query.float()
-    output, lse = _fused(queries, _gathered(key, seen, past), _gathered(value, seen, past), group, access, mask)
+    grouped = queries.reshape(1, hkv, group * q, -1)  # a KV head's query heads share its keys: one row each
+    own = lambda t: t[0, :, past:].float().unsqueeze(1).expand(hkv, group, q, -1).reshape(1, hq, q, -1)  # noqa: E731
+    parts = [
+        _fused(grouped, key[:, :, seen].float(), value[:, :, seen].float(), access, False, q),
+        _fused(queries, own(key), own(value), access, True, q),
+    ]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])  # [1, hq, q]: the reconstruction softmax's normaliser
     if rest.shape[0]:
-        other, lse_other = _fused(queries, key[0, :, rest].float(), value[0, :, rest].float(), group, access, None)
-        total = torch.logaddexp(lse, lse_other)
-        output = output * (lse - total).exp_().unsqueeze(-1) + other * (lse_other - total).exp_().unsqueeze(-1)
+        parts.append(_fused(grouped, key[:, :, rest].float(), value[:, :, rest].float(), access, False, q))
+    total = lse if len(parts) == 2 else torch.logaddexp(lse, parts[2][1])
+    output = sum(out * (part - total).exp_().unsqueeze(-1) for out, part in parts)
+    assert isinstance(output, torch.Tensor)
     weight = _weight(layer, value, seen, scored)
     norms = layer.hidden_norm if weight is not None else None
     count = scored.shape[0]
-    chunk_keys = key[0, :, seen[scored]].float().transpose(1, 2).unsqueeze(1)  # [hkv, 1, D, c]
-    scaled = queries[0].view(hkv, group, q, -1) * access.scaling
-    normalisers = lse.view(hkv, group, q, 1)
+    chunk_keys = key[0, :, seen[scored]].float().transpose(1, 2)  # [hkv, D, c]
+    # Query-major [hkv, q, group, .]: a block of a KV head's queries is one contiguous operand of one product (a
+    # product per KV head uses every thread, where a batched one over few heads would leave some idle).
+    scaled = queries[0].view(hkv, group, q, -1).transpose(1, 2).mul(access.scaling).contiguous()
+    normalisers = _shifted(lse.view(hkv, group, q, 1), norms, 0, q).transpose(1, 2).contiguous()
     best = torch.zeros(hkv, count, device=key.device)
-    for lo in range(0, q if count else 0, QUERY_BLOCK):
-        hi = min(q, lo + QUERY_BLOCK)
-        logits = torch.matmul(scaled[:, :, lo:hi], chunk_keys)
-        best = _fold(best, logits, _shifted(normalisers[:, :, lo:hi], norms, lo, hi), weight)
+    for head in range(hkv):
+        for lo in range(0, q if count else 0, CHUNK_QUERY_BLOCK):
+            hi = min(q, lo + CHUNK_QUERY_BLOCK)
+            logits = torch.mm(scaled[head, lo:hi].view(-1, scaled.shape[-1]), chunk_keys[head])
+            head_weight = None if weight is None else weight[head]
+            view = logits.view(hi - lo, group, count)
+            best[head] = _fold(best[head], view, normalisers[head, lo:hi], head_weight, 0)
     stats = {"replay_max": _scattered(best, seen[scored], n)}
     return output.transpose(1, 2).contiguous().to(query.dtype), stats
 
 
 def _fused(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    group: int,
-    access: KeyAccess,
-    mask: torch.Tensor | None,
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, access: KeyAccess, causal: bool, q: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU fused attention of queries [1, hq, q, D] over keys and values [hkv, m, D] (each KV head's repeated for its
-    group), ``mask`` [q, m] added to the logits: the output [1, hq, q, Dv] and each query's logsumexp [1, hq, q]."""
-    hkv, m = keys.shape[0], keys.shape[1]
-    heads = lambda t: t.unsqueeze(1).expand(hkv, group, m, t.shape[-1]).reshape(1, hkv * group, m, -1)  # noqa: E731
+    """CPU fused attention of queries [1, h, r, D] over keys and values [1, h, m, D] (``causal``: r = m, query i
+    sees keys up to i): the output [1, hq, q, Dv] and each query's logsumexp [1, hq, q], for h = hq, or h = hkv
+    with a KV head's rows its query heads' q queries each."""
     output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        queries, heads(keys), heads(values), dropout_p=0.0, is_causal=False, attn_mask=mask, scale=access.scaling
+        queries, keys, values, dropout_p=0.0, is_causal=causal, scale=access.scaling
     )
-    return output, lse
-
-
-def _gathered(tensor: torch.Tensor, seen: torch.Tensor, past: int) -> torch.Tensor:
-    """The seen entries then the pass's own, [hkv, m, D] in float32, of a layer's keys or values [1, hkv, n, D]."""
-    return torch.cat([tensor[0, :, seen], tensor[0, :, past:]], dim=1).float()
+    return output.reshape(1, -1, q, output.shape[-1]), lse.reshape(1, -1, q)
 
 
 def _seen(layer: CacheLayer, span: Reconstruction, past: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,14 +219,15 @@ def _shifted(normaliser: torch.Tensor, norms: torch.Tensor | None, lo: int, hi: 
 
 
 def _fold(
-    best: torch.Tensor, logits: torch.Tensor, normaliser: torch.Tensor, weight: torch.Tensor | None
+    best: torch.Tensor, logits: torch.Tensor, normaliser: torch.Tensor, weight: torch.Tensor | None, queries: int
 ) -> torch.Tensor:
-    """``best`` [hkv, c] raised to a block's largest probability (times KVzip+'s weight) of each chunk entry, from
-    its logits [hkv, group, b, c] (overwritten) and log-normalisers [hkv, group, b, 1]."""
-    top = logits.sub_(normaliser).amax(dim=2).exp_()  # [hkv, group, c]
+    """``best`` [hkv, c] (or one KV head's [c]) raised to a block's largest probability (times KVzip+'s weight) of
+    each chunk entry, from its logits (overwritten) and log-normalisers, [hkv, group, b, .] or (one KV head's)
+    [b, group, .], the queries' dimension ``queries``."""
+    top = logits.sub_(normaliser).amax(dim=queries).exp_()  # [hkv, group, c] or [group, c]
     if weight is not None:
         top *= weight
-    return torch.maximum(best, top.amax(dim=1))
+    return torch.maximum(best, top.amax(dim=-2))
 
 
 def _scattered(best: torch.Tensor, entries: torch.Tensor, n: int) -> torch.Tensor:
