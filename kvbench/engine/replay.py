@@ -238,15 +238,19 @@ def _scattered(best: torch.Tensor, entries: torch.Tensor, n: int) -> torch.Tenso
 
 
 def _output_norms(layer: CacheLayer, values: torch.Tensor) -> torch.Tensor:
-    """‖W_o v‖ per query head of each KV head's group, [hkv, group, c], for values [hkv, c, D]."""
+    """‖W_o v‖ per query head of each KV head's group, [hkv, group, c], for values [hkv, c, D]: per KV head, a block
+    of values times its group's W_o columns is one product ([D, group · hidden]), its norms taken while it is small."""
     w_o = layer.inputs.weights[layer.layer_idx]["output_projection"].float()
     hkv, c, dim = values.shape
-    w = w_o.view(w_o.shape[0], hkv, -1, dim)  # [hidden, hkv, group, D]
-    parts = [
-        torch.einsum("jhgi,hti->hgtj", w, values[:, lo : lo + VALUE_BLOCK].float()).norm(dim=-1)
-        for lo in range(0, c, VALUE_BLOCK)
-    ]
-    return torch.cat(parts, dim=2) if parts else values.new_zeros(hkv, w.shape[2], 0)
+    hidden = w_o.shape[0]
+    group = w_o.shape[1] // (hkv * dim)
+    w = w_o.view(hidden, hkv, group, dim).permute(1, 3, 2, 0).reshape(hkv, dim, group * hidden)
+    out = values.new_empty(hkv, c, group, dtype=torch.float32)
+    for head in range(hkv):
+        for lo in range(0, c, VALUE_BLOCK):
+            block = values[head, lo : lo + VALUE_BLOCK].float()
+            out[head, lo : lo + VALUE_BLOCK] = torch.mm(block, w[head]).view(-1, group, hidden).norm(dim=-1)
+    return out.transpose(1, 2)
 
 
 @contextlib.contextmanager
