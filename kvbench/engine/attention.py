@@ -32,7 +32,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
-from kvbench.engine.replay import replay_statistics
+from kvbench.engine.replay import replay_attention, replay_statistics
 from kvbench.engine.visibility import KeyAccess, visibility
 from kvbench.policies.statistics import NOTHING, Collecting, Latest, Logged, Summed, attention_names, declared
 from kvbench.stages import Phase
@@ -226,7 +226,12 @@ def _replay_pass(
     access: KeyAccess,
 ) -> torch.Tensor:
     """A replay pass of the prompt (KVzip): the model's output as for any step, and, in a layer whose policy
-    replays, the reconstruction attention it records (``engine.replay``)."""
+    replays, the reconstruction attention it records (``engine.replay``), both from fused attention on CPU where
+    nothing hides an entry or changes a logit (``replay_attention``)."""
+    if layer.policy.replay is not None and _fusable(query, access):
+        output, stats = replay_attention(query, key, value, layer, span, access)
+        layer.record(stats)
+        return output
     if query.shape[2] == 1:
         output = decode_attention(query, key, value, access)[0]
     elif access.softcap is not None:
@@ -236,6 +241,13 @@ def _replay_pass(
     if layer.policy.replay is not None:
         layer.record(replay_statistics(query, key, value, layer, span, access))
     return output
+
+
+def _fusable(query: torch.Tensor, access: KeyAccess) -> bool:
+    """Whether a replay pass takes its output and reconstruction attention from CPU fused attention: a chunk of
+    queries on CPU that sees every entry and whose logits are not softcapped."""
+    plain = access.softcap is None and access.visible is None and access.window is None
+    return plain and query.shape[2] > 1 and query.device.type == "cpu"
 
 
 def _with_queries(

@@ -15,6 +15,7 @@ from conftest import CONFIG_DIR
 from engine_run import generate
 from omegaconf import OmegaConf
 
+from kvbench.engine import attention
 from kvbench.engine.engine import DecodeSettings
 from kvbench.engine.replay import passes
 from kvbench.policies.base import ScoreWrapper
@@ -104,11 +105,15 @@ def eager_scores(model, ids: list[int], policy_cfg: dict) -> torch.Tensor:
     return want
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "materialised"])
 @pytest.mark.parametrize("name", ["kvzip", "kvzip_plus"])
-def test_replay_scores_equal_the_models_eager_attention(tiny, random_ids, name):
+def test_replay_scores_equal_the_models_eager_attention(tiny, random_ids, name, fused, monkeypatch):
     """Three passes of 7 tokens over a 20-token prompt (the last pass shorter, each after the previous chunk's
     last tokens): every entry's score equals the eager reference, sinks included (they are protected: +inf
-    would be the shield's, the score itself is what the passes gave them: 0 outside every chunk)."""
+    would be the shield's, the score itself is what the passes gave them: 0 outside every chunk). Both ways a
+    pass is computed: fused attention (CPU) and materialised logits (elsewhere, or softcapped, or windowed)."""
+    if not fused:
+        monkeypatch.setattr(attention, "_fusable", lambda query, access: False)
     ids = random_ids(20, seed=3)
     cfg = config(name, chunk=CHUNK, n_sink=N_SINK, postfix=3)
     got = kvbench_scores(tiny.model, ids, cfg)
