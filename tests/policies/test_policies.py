@@ -147,7 +147,11 @@ def test_named_policy_equals_masked_replay_and_keeps_its_promises(tiny, random_i
     prefill_steps = PROMPT // stride
     for step, layers in enumerate(g.trace):
         fed = stride * (step + 1) if step < prefill_steps else PROMPT + step - prefill_steps + 1
-        evicting = (step < prefill_steps and stage != "decode") or (step >= prefill_steps and stage != "prefill")
+        # A replaying score (KVzip) evicts the prompt once, after its passes: at the prompt's last chunk.
+        prompt_evicts = policy.replay is None or step == prefill_steps - 1
+        evicting = (step < prefill_steps and stage != "decode" and prompt_evicts) or (
+            step >= prefill_steps and stage != "prefill"
+        )
         for held, b in zip(layers, budgets):
             heads = [set(h.tolist()) for h in held]
             assert all(max(h) < fed for h in heads)
