@@ -230,6 +230,8 @@ METHODS: dict[str, Method] = {
     # KVzip's replay passes: kvpress's chunk of 2,048 tokens repeats each ~1,000-token prompt in one pass.
     "kvzip": Method("KVzipPress", "kvzip", chat_header=True, pooled=True),
     "kvzip_plus": Method("KVzipPress", "kvzip_plus", {"kvzip_plus_normalization": True}, chat_header=True, pooled=True),
+    # KVgrad's passes of 512 tokens (two or three per prompt), each with its backward.
+    "kvgrad": Method("KVgradPress", "kvgrad", chat_header=True, pooled=True),
     # SnapKV's kept tokens, then ThinK's channels of the keys SnapKV kept: kvpress's defaults (ThinK's ratio 0.5).
     "think_snapkv": Method(
         "ComposedPress",

@@ -24,91 +24,30 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvbench.engine.blocked import attention_statistics, query_blocks, softcapped
-from kvbench.engine.replay import replay_attention, replay_statistics
-from kvbench.engine.visibility import KeyAccess, visibility
-from kvbench.policies.statistics import NOTHING, Collecting, Latest, Logged, Summed, attention_names, declared
+from kvbench.engine.blocked import attention_statistics
+from kvbench.engine.decode_attention import Selector, decode_attention
+from kvbench.engine.masked_sdpa import masked_sdpa
+from kvbench.engine.replay_pass import replay_pass
+from kvbench.engine.visibility import KeyAccess
+from kvbench.policies.statistics import NOTHING, Collecting, Logged, Summed, attention_names, declared
 from kvbench.stages import Phase
 
 if TYPE_CHECKING:
     from kvbench.engine.cache.cache import KVCache
     from kvbench.engine.cache.layer import CacheLayer
-    from kvbench.engine.step import Reconstruction, Step
+    from kvbench.engine.step import Step
 
 ATTN_NAME = "kvbench"
 # Arguments of transformers' attention interface that carry nothing kvbench must compute (bookkeeping the
 # model also hands to every other attention function). Any other argument with a value is refused.
 PASSIVE_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
-
-
-# A decode-time sparsity's choice for a decode step: (queries [rows, group, D], keys [rows, n, D], visible
-# [rows, n] or None) to the keys each query head attends, bool [rows, group, n].
-Selector = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-def decode_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    access: KeyAccess,
-    collecting: Collecting = NOTHING,
-    select: Selector | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One query per sequence (query [B, heads, 1, D]) over its rows' keys [B, kv_heads, n, D], each row seeing
-    what ``access.visible`` [B × kv_heads, n] and its window show (None: every key), and each query head of it
-    only what ``select`` chooses of that (None: all of it). Returns the attention output
-    in the layout transformers' attention functions return ([B, 1, heads, Dv]) and the statistics of
-    ``attention_statistics`` for that query ([B × kv_heads, n] each), both from one set of probabilities
-    (float32). Each row is its own batched product: a sequence's result does not depend on the others'."""
-    b, hq, _, dim = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    rows, group = b * hkv, hq // hkv
-    qh = query.reshape(rows, group, dim).float() * access.scaling
-    keys = key.reshape(rows, n, dim).float()
-    logits = softcapped(torch.bmm(qh, keys.transpose(1, 2)), access.softcap)  # [rows, group, n]
-    visible = access.visible
-    if access.window is not None:
-        in_window = access.window.allowed(0, 1)[:, 0]  # [rows, n]
-        visible = in_window if visible is None else visible & in_window
-    if select is not None:
-        logits = logits.masked_fill(~select(qh, keys, visible), float("-inf"))
-    elif visible is not None:
-        logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    probs = logits.softmax(dim=-1)
-    output = torch.bmm(probs, value.reshape(rows, n, -1).float()).to(query.dtype).view(b, 1, hq, -1)
-    return output, _decode_statistics(probs, None if visible is None else visible.sum(dim=-1), collecting)
-
-
-def _decode_statistics(
-    probs: torch.Tensor, counts: torch.Tensor | None, collecting: Collecting
-) -> dict[str, torch.Tensor]:
-    """The statistics of one query's probabilities [rows, group, n]; ``counts`` [rows]: how many keys each row
-    saw (None: all n)."""
-    stats: dict[str, torch.Tensor] = {}
-    needs = collecting.needs
-    if not attention_names(needs):
-        return stats
-    row = probs.mean(dim=1)  # GQA: the group's mean, [rows, n]
-    for summed in declared(needs, Summed):
-        stats[summed.name] = row if summed.of is None else summed.of(row)
-    for latest in declared(needs, Latest):
-        stats[latest.name] = row
-    for log in declared(needs, Logged) if collecting.history > 0 else ():
-        stats[log.name] = row.unsqueeze(1)
-        hkv, n = row.shape
-        stats[f"{log.name}_nvis"] = (
-            torch.full((hkv, 1), float(n), device=row.device)
-            if counts is None
-            else counts.to(torch.float32).unsqueeze(1)
-        )
-    return stats
 
 
 def family_arguments(layer_idx: int, kwargs: dict, planned_window: int | None) -> tuple[int | None, float | None]:
@@ -171,7 +110,7 @@ def kvbench_attention(
     log = layer.entries.log  # the policy's history, or the question's length where the score observes it
     collecting = Collecting(needs, log.history if log is not None else layer.policy.history) if needs else NOTHING
     if step.replay is not None:
-        return _replay_pass(module, query, key, value, layer, step.replay, access), None
+        return replay_pass(module, query, key, value, layer, step.replay, access), None
     if q == 1:
         select = _selector(layer, step)
         # SDPA only for one unmasked sequence: for several, one batched product per row (docs/perf/batch.md).
@@ -196,7 +135,7 @@ def kvbench_attention(
         output = stats.pop("output")
         layer.record(_with_queries(stats, layer, step, query, access.scaling))
         return output, None
-    output = _sdpa(module, query, key, value, access)
+    output = masked_sdpa(module, query, key, value, access)
     stats = attention_statistics(query, key, access, collecting) if needs else {}
     layer.record(_with_queries(stats, layer, step, query, access.scaling))
     return output, None
@@ -214,40 +153,6 @@ def _selector(layer: CacheLayer, step: Step) -> Selector | None:
     budgets = torch.tensor(step.attended, device=positions.device).repeat_interleave(heads)
     query_positions = layer.current.query_positions[:, 0]
     return lambda queries, keys, visible: sparsity.select(queries, keys, positions, visible, query_positions, budgets)
-
-
-def _replay_pass(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer: CacheLayer,
-    span: Reconstruction,
-    access: KeyAccess,
-) -> torch.Tensor:
-    """A replay pass of the prompt (KVzip): the model's output as for any step, and, in a layer whose policy
-    replays, the reconstruction attention it records (``engine.replay``), both from fused attention on CPU where
-    nothing hides an entry or changes a logit (``replay_attention``)."""
-    if layer.policy.replay is not None and _fusable(query, access):
-        output, stats = replay_attention(query, key, value, layer, span, access)
-        layer.record(stats)
-        return output
-    if query.shape[2] == 1:
-        output = decode_attention(query, key, value, access)[0]
-    elif access.softcap is not None:
-        output = attention_statistics(query, key, access, NOTHING, value).pop("output")
-    else:
-        output = _sdpa(module, query, key, value, access)
-    if layer.policy.replay is not None:
-        layer.record(replay_statistics(query, key, value, layer, span, access))
-    return output
-
-
-def _fusable(query: torch.Tensor, access: KeyAccess) -> bool:
-    """Whether a replay pass takes its output and reconstruction attention from CPU fused attention: a chunk of
-    queries on CPU that sees every entry and whose logits are not softcapped."""
-    plain = access.softcap is None and access.visible is None and access.window is None
-    return plain and query.shape[2] > 1 and query.device.type == "cpu"
 
 
 def _with_queries(
@@ -275,40 +180,6 @@ def _with_queries(
         last = last * scaling
     hkv = layer.entries.heads
     return {**stats, "queries": last.reshape(b * hkv, hq // hkv, k, dim)}
-
-
-def _sdpa(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, access: KeyAccess
-) -> torch.Tensor:
-    """transformers' SDPA over the step's keys, masked as the layer's visibility says; a windowed chunk is
-    attended a block of queries at a time, so its mask never spans the whole chunk at once."""
-    q, n = query.shape[2], key.shape[2]
-    group = query.shape[1] // key.shape[1]
-    past, window, scaling = access.past, access.window, access.scaling
-    if access.visible is None and window is None:
-        mask = visibility(past, 0, q, n, None, key.device).unsqueeze(0) if q > 1 and past > 0 else None
-        return sdpa_attention_forward(
-            module, query, key, value, mask, dropout=0.0, scaling=scaling, is_causal=mask is None and q > 1
-        )[0]
-    outputs = []
-    for start, end, lo in query_blocks(0, q, past, n, query.shape[1], window):
-        hi = past + end  # keys past the block's last query, and before its window, are hidden from all of it
-        mask = visibility(past, start, end, hi, access.visible, key.device, window, lo)
-        if mask.shape[0] > 1:
-            mask = mask.repeat_interleave(group, dim=0)
-        outputs.append(
-            sdpa_attention_forward(
-                module,
-                query[:, :, start:end],
-                key[:, :, lo:hi],
-                value[:, :, lo:hi],
-                mask.unsqueeze(0),
-                dropout=0.0,
-                scaling=scaling,
-                is_causal=False,
-            )[0]
-        )
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
 AttentionInterface.register(ATTN_NAME, kvbench_attention)

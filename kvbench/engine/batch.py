@@ -11,6 +11,7 @@ time, never of the batch.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import deque
 from dataclasses import replace
@@ -27,6 +28,7 @@ from kvbench.engine.fused_llama import FusedLlama
 from kvbench.engine.masked_replay import replay_masks
 from kvbench.engine.plan import LayerPlan, plan_layers
 from kvbench.engine.replay import hidden_norms, passes
+from kvbench.engine.replay_gradient import gradient_pass
 from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
 from kvbench.engine.sequence import Generation, Request, Sequence, finished_generation, reference_length
 from kvbench.engine.settings import EngineSettings
@@ -125,7 +127,7 @@ class BatchLoop:
         self.finished, self.refused = self.refused, []
         working = list(self.live)
         try:
-            with torch.inference_mode(), kvbench_attention_enabled(self.model):
+            with self._autograd_mode(), kvbench_attention_enabled(self.model):
                 if self.queue and len(self.live) < self.batch_size:
                     working = [self.queue.popleft()]
                     self._admit(working[0])
@@ -137,6 +139,12 @@ class BatchLoop:
             for s in working:
                 s.cache = None
         return self.finished
+
+    def _autograd_mode(self) -> contextlib.AbstractContextManager:
+        """Inference mode, except for a policy whose replay passes run a backward (KVgrad): autograd cannot record
+        over tensors made in inference mode, so its prompt's cache is made without gradients instead."""
+        replay = self.policy.replay
+        return torch.no_grad() if replay is not None and replay.gradient else torch.inference_mode()
 
     # -- forwards ----------------------------------------------------------------------------------------------
     def _forward(
@@ -164,8 +172,9 @@ class BatchLoop:
         )
         fed = cache.begin(step)
         input_ids = torch.tensor(ids, device=self.device)
-        plus = replay is not None and self.policy.replay is not None and self.policy.replay.plus
-        with attending(cache), hidden_norms(self.model, cache, plus):
+        kind = self.policy.replay if replay is not None else None
+        weighed = gradient_pass(self.model, cache, kind is not None and kind.gradient)
+        with attending(cache), hidden_norms(self.model, cache, kind is not None and kind.plus), weighed:
             if self.fused is not None and replay is None:
                 logits = self.fused(input_ids, fed, cache)
             else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -95,7 +95,7 @@ def replay_statistics(
     own = seen.shape[0]
     queries = query[0].float().view(hkv, hq // hkv, q, -1) * access.scaling
     weight = _weight(layer, value, seen, scored)
-    norms = layer.hidden_norm if weight is not None else None
+    log_weights = layer.query_log_weight if weight is not None else None
     count = scored.shape[0]
     columns = _columns(scored)
     best = torch.zeros(hkv, count, device=key.device)
@@ -106,7 +106,7 @@ def replay_statistics(
         logits[..., own:].masked_fill_(later, float("-inf"))
         # A probability is exp(logit - logsumexp): the largest over queries is taken on the logits, and only the
         # chunk's [hkv, group, chunk] maxima are exponentiated (a softmax would exponentiate every logit).
-        normaliser = _shifted(torch.logsumexp(logits, dim=-1, keepdim=True), norms, lo, hi)
+        normaliser = _shifted(torch.logsumexp(logits, dim=-1, keepdim=True), log_weights, lo, hi)
         best = _fold(best, logits[..., columns], normaliser, weight, 2)
     return {"replay_max": _scattered(best, seen[scored], n)}
 
@@ -146,13 +146,13 @@ def replay_attention(
     output = sum(out * (part - total).exp_().unsqueeze(-1) for out, part in parts)
     assert isinstance(output, torch.Tensor)
     weight = _weight(layer, value, seen, scored)
-    norms = layer.hidden_norm if weight is not None else None
+    log_weights = layer.query_log_weight if weight is not None else None
     count = scored.shape[0]
     chunk_keys = key[0, :, seen[scored]].float().transpose(1, 2)  # [hkv, D, c]
     # Query-major [hkv, q, group, .]: a block of a KV head's queries is one contiguous operand of one product (a
     # product per KV head uses every thread, where a batched one over few heads would leave some idle).
     scaled = queries[0].view(hkv, group, q, -1).transpose(1, 2).mul(access.scaling).contiguous()
-    normalisers = _shifted(lse.view(hkv, group, q, 1), norms, 0, q).transpose(1, 2).contiguous()
+    normalisers = _shifted(lse.view(hkv, group, q, 1), log_weights, 0, q).transpose(1, 2).contiguous()
     best = torch.zeros(hkv, count, device=key.device)
     for head in range(hkv):
         for lo in range(0, q if count else 0, CHUNK_QUERY_BLOCK):
@@ -192,12 +192,12 @@ def _seen(layer: CacheLayer, span: Reconstruction, past: int) -> tuple[torch.Ten
 
 
 def _weight(layer: CacheLayer, value: torch.Tensor, seen: torch.Tensor, scored: torch.Tensor) -> torch.Tensor | None:
-    """KVzip+'s ‖W_o v‖ of the chunk's entries [hkv, group, c] (None for KVzip)."""
+    """KVzip+'s and KVgrad's ‖W_o v‖ of the chunk's entries [hkv, group, c] (None for KVzip)."""
     replay = layer.policy.replay
-    if replay is None or not replay.plus:
+    if replay is None or not (replay.plus or replay.gradient):
         return None
-    if layer.hidden_norm is None:
-        raise RuntimeError("a KVzip+ pass reads its queries' hidden states: run it inside engine.replay.hidden_norms")
+    if layer.query_log_weight is None:
+        raise RuntimeError("a weighted replay pass reads its queries' weights: hidden_norms or gradient_pass set them")
     return _output_norms(layer, value[0, :, seen[scored]])
 
 
@@ -210,12 +210,12 @@ def _columns(scored: torch.Tensor) -> slice | torch.Tensor:
     return scored
 
 
-def _shifted(normaliser: torch.Tensor, norms: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
-    """A block of queries' log-normalisers [hkv, group, b, 1], plus (KVzip+) the log of their hidden states' norms
-    [q]."""
-    if norms is None:
+def _shifted(normaliser: torch.Tensor, log_weights: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+    """A block of queries' log-normalisers [hkv, group, b, 1], less the log of their weights [q] (KVzip+: one over
+    the hidden state's norm; KVgrad: the norm of the objective's gradient at the attention's output)."""
+    if log_weights is None:
         return normaliser
-    return normaliser + norms[lo:hi].float().log().view(1, 1, -1, 1)
+    return normaliser - log_weights[lo:hi].view(1, 1, -1, 1)
 
 
 def _fold(
@@ -255,26 +255,32 @@ def _output_norms(layer: CacheLayer, values: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def hidden_norms(model: Any, cache: KVCache, wanted: bool) -> Iterator[None]:
-    """While ``wanted`` (a KVzip+ pass), each attention module leaves the norms of its input hidden states [q] on
-    its cache layer, for ``replay_statistics``."""
+    """While ``wanted`` (a KVzip+ pass), each attention module leaves one over the norms of its input hidden states
+    [q] (as logs) on its cache layer, as its queries' weights for ``replay_statistics``."""
     if not wanted:
         yield
         return
 
     def keep(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        cache.kv_layers[int(module.layer_idx)].hidden_norm = hidden[0].float().norm(dim=-1)  # type: ignore[arg-type]
+        weight = hidden[0].float().norm(dim=-1).log().neg()  # one over the norm, as a log
+        cache.kv_layers[int(module.layer_idx)].query_log_weight = weight  # type: ignore[arg-type]
 
-    modules = [
-        m
-        for m in model.modules()
-        if isinstance(getattr(m, "layer_idx", None), int) and projection(m, "output_projection") is not None
-    ]
-    hooks = [m.register_forward_pre_hook(keep, with_kwargs=True) for m in modules]
+    hooks = [m.register_forward_pre_hook(keep, with_kwargs=True) for m in attention_modules(model)]
     try:
         yield
     finally:
         for hook in hooks:
             hook.remove()
         for layer in cache.kv_layers:
-            layer.hidden_norm = None
+            layer.query_log_weight = None
+
+
+def attention_modules(model: Any) -> list[torch.nn.Module]:
+    """The model's attention modules, by layer: those that number their layer and project their output."""
+    modules = [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and projection(m, "output_projection") is not None
+    ]
+    return sorted(modules, key=lambda m: cast(int, m.layer_idx))

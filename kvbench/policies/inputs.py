@@ -52,15 +52,21 @@ class Replay:
     cache, inside the prefill; the attention of each pass's queries over the first ``n_sink`` entries, the chunk
     it repeats and its own tokens gives the chunk's entries their ``replay_max``. ``plus``: each query's
     probabilities divided by its hidden state's norm and multiplied by ‖W_o v‖ of the query head (KVzip+).
-    ``postfix``: a later pass's instruction ends with the previous chunk's last ``postfix`` tokens."""
+    ``gradient``: instead, each query's probabilities multiplied by the norm of the gradient, at the attention's
+    output, of the pass's objective Φ = Σ ‖h‖² over its last decoder layer's outputs, and by ‖W_o v‖ (KVgrad;
+    each pass then runs a backward). ``postfix``: a later pass's instruction ends with the previous chunk's last
+    ``postfix`` tokens."""
 
     chunk: int = 2048
     n_sink: int = 4
     plus: bool = False
     postfix: int = 8
+    gradient: bool = False
 
     def __post_init__(self) -> None:
         if int(self.chunk) < 1:
             raise ValueError(f"replay chunk={self.chunk} must be >= 1 token")
         if int(self.n_sink) < 0 or int(self.postfix) < 0:
             raise ValueError(f"replay n_sink={self.n_sink} and postfix={self.postfix} must be >= 0")
+        if self.plus and self.gradient:
+            raise ValueError("a replay weighs its queries by KVzip+'s hidden-state norm or KVgrad's gradient, not both")

@@ -178,7 +178,8 @@ class CellResults:
     def claim(self, config: dict[str, Any], budgeted: bool = True) -> None:
         """Record ``config`` as this cell's config, or raise ``CellConflict`` when the rows already here
         were made with a different one (a changed ``task.n`` or ``max_new_tokens``, say): mixing them
-        would silently corrupt the cell. Bookkeeping keys (results_dir, tracking, ...) may change."""
+        would silently corrupt the cell. Bookkeeping keys (results_dir, tracking, ...) may change; a cell with
+        rows keeps the config file they were made with, byte for byte."""
         import yaml
 
         if self.config_path.exists() and (self.rows_path.exists() or self.summary_path.exists()):
@@ -190,6 +191,7 @@ class CellResults:
                     f"{self.dir} holds results of a different config ({shown}). Rerun with the old settings "
                     "to resume it, choose another sweep_name, or delete the cell directory to start it over"
                 )
+            return  # the config its rows were made with stays as it was written
         self.write_config(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
     def clear_error(self) -> None:

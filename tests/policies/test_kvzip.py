@@ -15,7 +15,7 @@ from conftest import CONFIG_DIR
 from engine_run import generate
 from omegaconf import OmegaConf
 
-from kvbench.engine import attention
+from kvbench.engine import replay_pass
 from kvbench.engine.engine import DecodeSettings
 from kvbench.engine.replay import passes
 from kvbench.policies.base import ScoreWrapper
@@ -113,7 +113,7 @@ def test_replay_scores_equal_the_models_eager_attention(tiny, random_ids, name, 
     would be the shield's, the score itself is what the passes gave them: 0 outside every chunk). Both ways a
     pass is computed: fused attention (CPU) and materialised logits (elsewhere, or softcapped, or windowed)."""
     if not fused:
-        monkeypatch.setattr(attention, "_fusable", lambda query, access: False)
+        monkeypatch.setattr(replay_pass, "_fusable", lambda query, access: False)
     ids = random_ids(20, seed=3)
     cfg = config(name, chunk=CHUNK, n_sink=N_SINK, postfix=3)
     got = kvbench_scores(tiny.model, ids, cfg)

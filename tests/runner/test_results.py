@@ -154,8 +154,10 @@ def test_the_cell_config_is_pinned(tmp_path):
         cell.append(row(0))
     # Where results go and how they are tracked may change; what a row means may not.
     moved = {**CONFIG, "results_dir": "/elsewhere", "tracking": {"wandb": {"mode": "offline"}}}
+    pinned = (tmp_path / "config.yaml").read_bytes()
     with CellResults(tmp_path) as cell:
         cell.claim(moved)
+    assert (tmp_path / "config.yaml").read_bytes() == pinned  # the rows' config is never rewritten
     changed = {**CONFIG, "task": {"name": "retrieval", "n": 8}, "stage": "decode"}
     with CellResults(tmp_path) as cell, pytest.raises(CellConflict) as err:
         cell.claim(changed)

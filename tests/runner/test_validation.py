@@ -343,6 +343,10 @@ CASES = [
     (["policy=kvzip", "stage=decode"], "policy=kvzip cannot run in stage=decode; use stage in ['prefill']"),
     (["policy=kvzip_plus", "stage=both"], "policy=kvzip_plus cannot run in stage=both; use stage in ['prefill']"),
     (["policy=kvzip", "policy.score.chunk=0"], "replay chunk=0 must be >= 1 token"),
+    # KVgrad back-propagates through each pass's own keys and values as the model computes them.
+    (["policy=kvgrad", "stage=decode"], "policy=kvgrad cannot run in stage=decode; use stage in ['prefill']"),
+    (["policy=kvgrad", "policy.quantize=int8"], "KVgrad differentiates its replay passes"),
+    (["policy=kvgrad", "policy.positions=reindex"], "drop policy.quantize and policy.positions"),
     (
         ["policy=kvzip", "policy.channels={kind:think,ratio:0.5}"],
         "policy=kvzip: channels chooses key channels from the prompt's last queries",

@@ -18,7 +18,8 @@ from kvbench.engine.cache.feeding import Feeding
 from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
 from kvbench.engine.score_inputs import ScoreInputs, per_head
-from kvbench.engine.visibility import Window
+from kvbench.engine.step import Reconstruction
+from kvbench.engine.visibility import KeyAccess, Window
 from kvbench.policies.base import Policy
 from kvbench.policies.positions import Rotary
 from kvbench.policies.statistics import STATISTICS
@@ -66,8 +67,10 @@ class CacheLayer(CacheLayerMixin):
         self.feeding: Feeding | None = None
         # Under ``policy.channels``, until the context is in: the squares of its last queries [heads, <= window, D].
         self.window_queries: torch.Tensor | None = None
-        # A replay pass's queries' hidden-state norms [q], where its score reads them (``engine.replay``).
-        self.hidden_norm: torch.Tensor | None = None
+        # A replay pass's log weight of each query [q], where its score weighs them (``engine.replay``), and, in a
+        # gradient pass, what its reconstruction attention is computed from once the gradient is known.
+        self.query_log_weight: torch.Tensor | None = None
+        self.pending_replay: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Reconstruction, KeyAccess] | None = None
 
     def attach(self, store: KVStore, entries: Entries) -> None:
         """The layer's K/V buffers and the cache's bookkeeping, allocated once their shapes are known."""
@@ -113,7 +116,7 @@ class CacheLayer(CacheLayerMixin):
         if self.rotary is not None:
             stored = self.rotary.unrotate(key_states, feeding.model_positions.unsqueeze(1))
         stored = store.narrow(rows, stored.reshape(b * h, q, -1))
-        store.write(rows, slots, stored, value_states.reshape(b * h, q, -1))
+        store.write(rows, slots, stored.detach(), value_states.reshape(b * h, q, -1).detach())
         if feeding.step.collects:  # no later eviction reads what a step that does not collect writes
             if self.policy.feature_names:
                 self._unfeatured.append((rows.repeat_interleave(q), slots.reshape(-1)))
@@ -134,6 +137,11 @@ class CacheLayer(CacheLayerMixin):
         self.feeding = feeding
         if self.rotary is not None:
             keys = self.rotary.rotate(keys, self._reindexed_positions(n))
+        if key_states.requires_grad:  # a gradient replay pass (KVgrad): its own entries carry the graph
+            if self.rotary is not None or store.quantizer is not None or store.channels is not None:
+                raise RuntimeError("a gradient replay pass needs plain stored keys: no reindex, quantization, channels")
+            keys = torch.cat([keys[:, : n - q], key_states.reshape(b * h, q, -1)], dim=1)
+            values = torch.cat([values[:, : n - q], value_states.reshape(b * h, q, -1)], dim=1)
         return keys.view(b, h, n, -1), values.view(b, h, n, -1)
 
     def finish(self) -> None:
