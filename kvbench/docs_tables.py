@@ -1,8 +1,9 @@
-"""The README's policy and task tables, rendered from ``configs/`` so that they cannot drift from what runs.
+"""The policy and task tables (docs/policies.md, README.md), rendered from ``configs/`` so that they cannot drift
+from what runs.
 
 A group file's leading comment block describes it: the first sentence is its summary, and a line
 ``# paper: ...``, ``# kvpress: ...`` (the peer's press), ``# data: ...`` or ``# scored by: ...`` fills that
-column (comments, so the configs keep only keys the schema knows). Each table sits in README.md between
+column (comments, so the configs keep only keys the schema knows). Each table sits in one of ``DOCUMENTS`` between
 ``<!-- BEGIN <name> ... -->`` and ``<!-- END <name> -->``. ``python -m kvbench.docs_tables`` exits 1 when
 they differ from the configs; ``--write`` rewrites them. ``tests/test_docs.py`` runs the same comparison.
 """
@@ -28,6 +29,7 @@ from kvbench.policies.registry import build_policy
 from kvbench.stages import Stage
 
 REPO = Path(__file__).resolve().parent.parent
+DOCUMENTS = ("README.md", "docs/policies.md")  # where the marked tables sit, relative to the repository
 META_KEYS = ("paper", "kvpress", "data", "scored by")
 # Where a dataset task's rows live: shown in the data column, not among the options.
 HUB_KEYS = ("name", "source", "columns")
@@ -182,31 +184,43 @@ def marked(name: str) -> re.Pattern[str]:
 
 
 def render(text: str, configs: Path) -> str:
-    """``text`` with every marked table replaced by the one the configs give."""
+    """``text`` with every marked table it holds replaced by the one the configs give."""
     for name, table in TABLES.items():
         found = marked(name).search(text)
-        if not found:
-            raise ValueError(f"no '<!-- BEGIN {name} ... -->' ... '<!-- END {name} -->' markers to fill")
-        text = text[: found.start(1)] + table(configs) + "\n" + text[found.end(1) :]
+        if found:
+            text = text[: found.start(1)] + table(configs) + "\n" + text[found.end(1) :]
     return text
+
+
+def tables_in(text: str) -> set[str]:
+    return {name for name in TABLES if marked(name).search(text)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="rewrite the tables in the README")
-    ap.add_argument("--readme", type=Path, default=REPO / "README.md")
+    ap.add_argument("--write", action="store_true", help="rewrite the tables in the documents")
+    ap.add_argument("--root", type=Path, default=REPO, help="the repository whose documents hold the tables")
     ap.add_argument("--configs", type=Path, default=REPO / "configs")
     args = ap.parse_args(argv)
-    text = args.readme.read_text(encoding="utf-8")
-    current = render(text, args.configs)
-    if current == text:
-        return 0
-    if args.write:
-        args.readme.write_text(current, encoding="utf-8")
-        print(f"rewrote the tables in {args.readme}")
-        return 0
-    print(f"{args.readme}: the generated tables are stale; run python -m kvbench.docs_tables --write", file=sys.stderr)
-    return 1
+    stale, found = [], set()
+    for document in DOCUMENTS:
+        path = args.root / document
+        text = path.read_text(encoding="utf-8")
+        found |= tables_in(text)
+        current = render(text, args.configs)
+        if current != text:
+            stale.append(path)
+            if args.write:
+                path.write_text(current, encoding="utf-8")
+                print(f"rewrote the tables in {path}")
+    missing = sorted(set(TABLES) - found)
+    if missing:
+        raise ValueError(f"no '<!-- BEGIN {missing[0]} ... -->' ... '<!-- END {missing[0]} -->' markers in {DOCUMENTS}")
+    if stale and not args.write:
+        shown = ", ".join(str(p) for p in stale)
+        print(f"{shown}: the generated tables are stale; run python -m kvbench.docs_tables --write", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from conftest import CONFIG_DIR, REPO
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kvbench.docs_tables import described, main, render
+from kvbench.docs_tables import DOCUMENTS, described, main, render, tables_in
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"
@@ -27,14 +27,19 @@ NAMED_PATH = re.compile(r"`((?:kvbench|tests|scripts|configs|docs)/[\w./-]+)`")
 HEADING = re.compile(r"^#{1,6} (.+)$", re.MULTILINE)
 
 
-def test_the_readme_tables_are_the_configs():
-    assert render(README.read_text(encoding="utf-8"), CONFIG_DIR) == README.read_text(encoding="utf-8"), (
-        "README.md's policy or task table differs from configs/: run python -m kvbench.docs_tables --write"
-    )
+def test_the_generated_tables_are_the_configs():
+    found = set()
+    for document in DOCUMENTS:
+        text = (REPO / document).read_text(encoding="utf-8")
+        found |= tables_in(text)
+        assert render(text, CONFIG_DIR) == text, (
+            f"{document}'s policy or task table differs from configs/: run python -m kvbench.docs_tables --write"
+        )
+    assert found == {"policies", "tasks"}
 
 
 def test_a_new_or_changed_config_changes_the_tables(tmp_path):
-    """The check above fails for a README that was not regenerated after a config changed."""
+    """The check above fails for documents that were not regenerated after a config changed."""
     configs = tmp_path / "configs"
     for group in ("policy", "task"):
         shutil.copytree(CONFIG_DIR / group, configs / group)
@@ -46,26 +51,29 @@ def test_a_new_or_changed_config_changes_the_tables(tmp_path):
     h2o.write_text(h2o.read_text().replace("window: 0.5", "window: 0.25"))
     think = configs / "policy" / "think.yaml"
     think.write_text(think.read_text().replace("ratio: 0.5 ", "ratio: 0.25 "))
-    readme = tmp_path / "README.md"
-    readme.write_text(README.read_text(encoding="utf-8"), encoding="utf-8")
+    for document in DOCUMENTS:
+        (tmp_path / document).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / document).write_text((REPO / document).read_text(encoding="utf-8"), encoding="utf-8")
+    root = ["--root", str(tmp_path), "--configs", str(configs)]
 
-    assert main(["--readme", str(readme), "--configs", str(configs)]) == 1
-    assert main(["--readme", str(readme), "--configs", str(configs), "--write"]) == 0
-    text = readme.read_text(encoding="utf-8")
+    assert main(root) == 1
+    assert main([*root, "--write"]) == 0
+    text = (tmp_path / "docs" / "policies.md").read_text(encoding="utf-8")
     assert (
         "| `keydiff` | KeyDiff: keep the keys least similar to the mean key. |  | `key_diff` | `all` | `uniform` | "
         "Park et al. 2025, [arXiv:2504.15364](https://arxiv.org/abs/2504.15364) |" in text
     )
     assert "`sinks_window` (n_sink 0, window 0.25)" in text
     assert "| `all` | `uniform`; key channels `think` (ratio 0.25, window 32) |" in text  # policy.channels shown
-    assert main(["--readme", str(readme), "--configs", str(configs)]) == 0
+    assert main(root) == 0
 
 
-def test_a_readme_without_the_markers_is_refused(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# no tables here\n")
+def test_documents_without_the_markers_are_refused(tmp_path):
+    for document in DOCUMENTS:
+        (tmp_path / document).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / document).write_text("# no tables here\n")
     with pytest.raises(ValueError, match="<!-- BEGIN policies"):
-        main(["--readme", str(readme)])
+        main(["--root", str(tmp_path)])
 
 
 @pytest.mark.parametrize("group", ["policy", "task"])
