@@ -20,7 +20,7 @@ import torch
 
 from kvbench.engine.engine import Engine, EngineSettings, Request
 from kvbench.engine.measure import PeakMemory
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.stages import Stage
 
 GIB = 1 << 30

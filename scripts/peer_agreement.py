@@ -35,8 +35,8 @@ from omegaconf import OmegaConf
 from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.engine.replay import template_ends
 from kvbench.models import LoadedModel, load_model, load_tokenizer
-from kvbench.policies.base import Policy
 from kvbench.policies.channels import KeyChannels
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.tasks.datasets import read_jsonl
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.engine.sampling import DecodeSettings
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 
 
 class ConfigError(ValueError):

@@ -18,7 +18,7 @@ from kvbench.config.phases import resolve_phases
 from kvbench.config.read import read_run
 from kvbench.config.schema import SamplingConfig, Source, Stage
 from kvbench.config.spec import ConfigError, RunSpec
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 
 if TYPE_CHECKING:

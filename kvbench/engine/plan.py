@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvbench.policies.base import Policy
 from kvbench.policies.full import never_evicting
+from kvbench.policies.policy import Policy
 from kvbench.stages import Phase
 
 

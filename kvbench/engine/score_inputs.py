@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.positions import QUERIES_BEFORE_ROPE, Rotary, rope_refusal, score_rotaries
 
 # Where each declared weight lives in a transformers attention module: the first of these its family has.

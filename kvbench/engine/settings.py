@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.stages import Stage
 
 

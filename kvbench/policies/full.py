@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.recency import Recency
 

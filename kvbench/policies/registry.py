@@ -26,12 +26,13 @@ import inspect
 import typing
 from typing import Any, TypeVar
 
-from kvbench.policies.base import Policy, Score
+from kvbench.policies.base import Score
 from kvbench.policies.channels import build_channels
 from kvbench.policies.full import never_evicting
 from kvbench.policies.merge import MERGES, Merge
 from kvbench.policies.parts import ALLOCATIONS, SCOPES, SCORES, SPARSITIES
 from kvbench.policies.phased import PhasedScope, PhasedScore
+from kvbench.policies.policy import Policy
 from kvbench.policies.quantize import build_quantizer
 from kvbench.policies.scores.shared import SharedAcrossHeads
 from kvbench.policies.sparse import Sparsity

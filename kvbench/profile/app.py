@@ -27,9 +27,9 @@ from kvbench.config.validate import check_model, check_task, plain
 from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Request
 from kvbench.families import layer_windows, policy_problem
 from kvbench.models import load_config, load_model, load_tokenizer
-from kvbench.policies.base import Policy
 from kvbench.policies.full import never_evicting
 from kvbench.policies.parts import SCORES
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.profile import retrieval_heads
 from kvbench.profile.collect import record

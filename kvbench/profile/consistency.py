@@ -15,8 +15,8 @@ import torch
 
 from kvbench.budget import budget_tokens
 from kvbench.engine.score_inputs import per_head
-from kvbench.policies.base import Policy
 from kvbench.policies.parts import SCORES
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.state import TokenState
 from kvbench.policies.statistics import FromPositions, declared, stored_names

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.profile.collect import LayerProfile, PromptEnd
 from kvbench.profile.consistency import ORACLE, Budgets, layer_recall
 from kvbench.profile.measures import COVERAGE_LEVELS, std_from_moments

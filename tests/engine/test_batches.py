@@ -29,7 +29,7 @@ from family_models import FAMILIES, SLIDING, build
 from omegaconf import OmegaConf
 
 from kvbench.engine.engine import DecodeSettings, Engine, EngineSettings, Generation, Request
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

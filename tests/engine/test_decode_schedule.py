@@ -10,7 +10,7 @@ from engine_run import generate, generate_batch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvbench.engine.engine import DecodeSettings, Request
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.recency import Recency

@@ -14,7 +14,8 @@ from kvbench.engine.cache.query_log import QueryLog
 from kvbench.engine.plan import LayerPlan
 from kvbench.engine.step import Phase, Step
 from kvbench.policies.allocations.adaptive import Adaptive
-from kvbench.policies.base import Allocation, Policy
+from kvbench.policies.base import Allocation
+from kvbench.policies.policy import Policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.snapkv import SnapKV
 

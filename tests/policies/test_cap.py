@@ -10,7 +10,8 @@ from linalg_reference import Projections, np_cap, np_mean_rotation, np_rope
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvbench.policies.allocations.adaptive import Adaptive
-from kvbench.policies.base import Allocation, Policy
+from kvbench.policies.base import Allocation
+from kvbench.policies.policy import Policy
 from kvbench.policies.positions import Rotary, RowRope
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All

@@ -12,7 +12,8 @@ from engine_run import generate
 from layer_zero import LayerZero
 
 from kvbench.engine.engine import DecodeSettings
-from kvbench.policies.base import Allocation, Policy
+from kvbench.policies.base import Allocation
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.chunkkv import ChunkKV

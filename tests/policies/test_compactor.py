@@ -10,7 +10,7 @@ from conftest import CONFIG_DIR
 from linalg_reference import Projections, np_leverage, np_noncausal, np_rope, np_zscore
 from omegaconf import OmegaConf
 
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.positions import Rotary, RowRope
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All

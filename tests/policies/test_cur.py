@@ -9,7 +9,7 @@ import torch
 from linalg_reference import Projections, np_cur
 
 from kvbench.policies.allocations.adaptive import Adaptive
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.cur import CUR

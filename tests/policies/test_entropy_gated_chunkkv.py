@@ -12,7 +12,7 @@ from engine_run import generate
 from omegaconf import OmegaConf
 
 from kvbench.engine.engine import DecodeSettings
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.entropy_gated_chunkkv import EntropyGatedChunkKV

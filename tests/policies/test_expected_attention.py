@@ -14,7 +14,8 @@ from engine_run import generate
 from kvbench.engine.engine import DecodeSettings
 from kvbench.families import policy_problem
 from kvbench.policies.allocations.adaptive import Adaptive
-from kvbench.policies.base import Allocation, Policy
+from kvbench.policies.base import Allocation
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scores.expected_attention import ExpectedAttention
 from kvbench.policies.state import TokenState

@@ -31,8 +31,9 @@ from kvbench.engine import blocked
 from kvbench.engine.attention import decode_attention
 from kvbench.engine.engine import DecodeSettings
 from kvbench.engine.visibility import KeyAccess
-from kvbench.policies.base import Policy, Score
+from kvbench.policies.base import Score
 from kvbench.policies.parts import SCORES
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.state import TokenState

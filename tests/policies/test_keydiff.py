@@ -13,7 +13,7 @@ from engine_run import generate
 from layer_zero import LayerZero
 
 from kvbench.engine.engine import DecodeSettings
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.keydiff import KeyDiff

@@ -13,7 +13,8 @@ from engine_run import generate
 
 from kvbench.engine.engine import DecodeSettings
 from kvbench.policies.allocations.adaptive import Adaptive
-from kvbench.policies.base import Allocation, Policy
+from kvbench.policies.base import Allocation
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.lagkv import LagKV

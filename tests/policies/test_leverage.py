@@ -10,7 +10,8 @@ import torch
 from linalg_reference import Projections, np_leverage, np_rope, np_zscore
 
 from kvbench.policies.allocations.adaptive import Adaptive
-from kvbench.policies.base import Allocation, Policy
+from kvbench.policies.base import Allocation
+from kvbench.policies.policy import Policy
 from kvbench.policies.positions import Rotary, RowRope
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All

@@ -11,7 +11,8 @@ from linalg_reference import Projections, np_noncausal, np_zscore
 
 from kvbench.policies import blocks
 from kvbench.policies.allocations.adaptive import Adaptive
-from kvbench.policies.base import Allocation, Policy
+from kvbench.policies.base import Allocation
+from kvbench.policies.policy import Policy
 from kvbench.policies.positions import Rotary, RowRope
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All

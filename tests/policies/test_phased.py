@@ -9,7 +9,7 @@ from conftest import tiny_policy_cfg
 from engine_run import generate
 
 from kvbench.engine.engine import DecodeSettings
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scopes.sinks_window import SinksWindow

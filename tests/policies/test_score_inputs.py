@@ -14,8 +14,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvbench.engine.engine import DecodeSettings, Request
 from kvbench.policies.allocations.adaptive import Adaptive
-from kvbench.policies.base import Allocation, Policy, Score
+from kvbench.policies.base import Allocation, Score
 from kvbench.policies.inputs import Queries
+from kvbench.policies.policy import Policy
 from kvbench.policies.registry import build_policy
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.scores.shared import SharedAcrossHeads

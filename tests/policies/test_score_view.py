@@ -18,7 +18,8 @@ from engine_run import generate, generate_batch
 
 from kvbench.engine.engine import DecodeSettings, Request
 from kvbench.policies.allocations.adaptive import Adaptive
-from kvbench.policies.base import Allocation, Policy, Score
+from kvbench.policies.base import Allocation, Score
+from kvbench.policies.policy import Policy
 from kvbench.policies.running import RowSum
 from kvbench.policies.scopes.everything import All
 from kvbench.policies.state import TokenState

@@ -25,7 +25,7 @@ from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
 from kvbench.engine.score_inputs import ScoreInputs
 from kvbench.engine.step import Phase, Step
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.positions import Rotary, layer_rotaries
 from kvbench.policies.state import TokenState
 from kvbench.policies.statistics import stored_names

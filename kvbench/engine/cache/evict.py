@@ -17,8 +17,8 @@ import torch
 
 from kvbench.engine.cache.entries import Entries
 from kvbench.engine.cache.store import KVStore, layer_runs
-from kvbench.policies.base import Policy
 from kvbench.policies.merge import Merge
+from kvbench.policies.policy import Policy
 from kvbench.policies.positions import Rotary, RowRope
 from kvbench.policies.state import Stats, TokenState
 from kvbench.policies.statistics import FromPositions, declared

@@ -23,7 +23,7 @@ from kvbench.engine.cache.store import KVStore
 from kvbench.engine.plan import LayerPlan
 from kvbench.engine.score_inputs import ScoreInputs
 from kvbench.engine.step import Phase, Step
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.state import TokenState
 
 

@@ -20,7 +20,7 @@ from kvbench.engine.plan import LayerPlan
 from kvbench.engine.score_inputs import ScoreInputs, per_head
 from kvbench.engine.step import Reconstruction
 from kvbench.engine.visibility import KeyAccess, Window
-from kvbench.policies.base import Policy
+from kvbench.policies.policy import Policy
 from kvbench.policies.positions import Rotary
 from kvbench.policies.statistics import STATISTICS
 
