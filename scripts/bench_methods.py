@@ -64,6 +64,7 @@ METHODS_II = [
     "simlayerkv",
     "kvzip",
     "kvzip_plus",
+    "kvgrad",
     "kvcompose",
     "duoattention",
     "cake",

@@ -11,10 +11,8 @@ time, never of the batch.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections import deque
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,10 +25,18 @@ from kvbench.engine.contexts import Prefilled, SharedContexts
 from kvbench.engine.fused_llama import FusedLlama
 from kvbench.engine.masked_replay import replay_masks
 from kvbench.engine.plan import LayerPlan, plan_layers
+from kvbench.engine.prompt_feed import prefill_context
 from kvbench.engine.replay import hidden_norms, passes
-from kvbench.engine.replay_gradient import gradient_pass
+from kvbench.engine.replay_gradient import autograd_mode, gradient_pass
 from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
-from kvbench.engine.sequence import Generation, Request, Sequence, finished_generation, reference_length
+from kvbench.engine.sequence import (
+    Generation,
+    Request,
+    Sequence,
+    finished_generation,
+    reference_length,
+    with_question,
+)
 from kvbench.engine.settings import EngineSettings
 from kvbench.engine.step import Phase, Reconstruction, Step
 
@@ -127,7 +133,7 @@ class BatchLoop:
         self.finished, self.refused = self.refused, []
         working = list(self.live)
         try:
-            with self._autograd_mode(), kvbench_attention_enabled(self.model):
+            with autograd_mode(self.policy.replay), kvbench_attention_enabled(self.model):
                 if self.queue and len(self.live) < self.batch_size:
                     working = [self.queue.popleft()]
                     self._admit(working[0])
@@ -140,14 +146,8 @@ class BatchLoop:
                 s.cache = None
         return self.finished
 
-    def _autograd_mode(self) -> contextlib.AbstractContextManager:
-        """Inference mode, except for a policy whose replay passes run a backward (KVgrad): autograd cannot record
-        over tensors made in inference mode, so its prompt's cache is made without gradients instead."""
-        replay = self.policy.replay
-        return torch.no_grad() if replay is not None and replay.gradient else torch.inference_mode()
-
     # -- forwards ----------------------------------------------------------------------------------------------
-    def _forward(
+    def forward(
         self,
         cache: KVCache,
         seqs: list[Sequence],
@@ -214,17 +214,17 @@ class BatchLoop:
         seq.t0 = measure.now(self.device)
         key = request.context_id
         if key is None:
-            logits = self._prefill_context(cache, seq)
+            logits = prefill_context(self, cache, seq)
         else:
             context = self.contexts.take(key)
             seq.prefill_shared = context is not None
             if context is None:
                 own = self._prompt_cache(self.contexts.plans[key], seq, (Phase.prefill,))
-                context = Prefilled.of(own, seq, self._prefill_context(own, seq))
+                context = Prefilled.of(own, seq, prefill_context(self, own, seq))
                 self.contexts.keep(key, context)
             logits = context.start(seq, cache)
         if request.suffix_ids:
-            logits = self._forward(cache, [seq], [list(request.suffix_ids)], Phase.prefill, False)  # never evicted
+            logits = self.forward(cache, [seq], [list(request.suffix_ids)], Phase.prefill, False)  # never evicted
         seq.prefill_s = measure.now(self.device) - seq.t0
         self._take(seq, logits[0])
         seq.ttft_s = measure.now(self.device) - seq.t0
@@ -255,47 +255,13 @@ class BatchLoop:
         cache.assign(0, seq.plans)
         return cache
 
-    def _prefill_context(self, cache: KVCache, seq: Sequence) -> torch.Tensor:
-        """Feed the prompt's context in chunks, evicting where the stage does (after its replay passes, where the
-        policy replays it); the last position's logits."""
-        ids = seq.request.input_ids
-        logits = self._reread_context(cache, seq) if seq.rereads else None
-        evicts = self.stage.evicts_in(Phase.prefill)
-        for start in range(0, len(ids) if logits is None else 0, seq.chunk):
-            chunk = [ids[start : start + seq.chunk]]
-            logits = self._forward(cache, [seq], chunk, Phase.prefill, evicts and not seq.replays)
-        assert logits is not None, "a prompt has at least one chunk"
-        for i, (span, replayed) in enumerate(seq.replays):  # KVzip's passes: the last one evicts
-            self._forward(cache, [seq], [replayed], Phase.prefill, evicts and i == len(seq.replays) - 1, span)
-        if self.policy.channels is not None:  # ThinK: key channels are chosen once the context is in
-            cache.prune_channels()
-        seq.kept_after_prefill = cache.summary(0).kept_per_layer
-        return logits
-
-    def _reread_context(self, cache: KVCache, seq: Sequence) -> torch.Tensor:
-        """KVCompose's observation pass (``Score.rereads``): the context is fed, then fed again after itself, and
-        the second pass's attention scores the first pass's entries in its eviction, which drops the second pass's
-        own (the score ranks them last, below any budget). The sequence then goes on from the context's end, as
-        if it had been fed once: one forward, one trace, the first pass's logits."""
-        ids = list(seq.request.input_ids)
-        logits = self._forward(cache, [seq], [ids], Phase.prefill, False)
-        self._forward(cache, [seq], [ids], Phase.prefill, True)
-        held = cache.kept_positions(0)
-        if any(bool((layer >= len(ids)).any()) for layer in held):
-            raise RuntimeError("the re-read pass's own entries outlived its eviction")
-        seq.position -= len(ids)
-        seq.forwards -= 1
-        if self.settings.trace:
-            del seq.traces[-2]
-        return logits
-
     def _decode_step(self) -> None:
         seqs = self.live
         cache = self.batch if self.batch is not None else seqs[0].cache
         assert cache is not None, "a live sequence is in a cache"
         t = measure.now(self.device)
         fed = [[s.tokens[-1]] for s in seqs]
-        logits = self._forward(cache, seqs, fed, Phase.decode, self.stage.evicts_in(Phase.decode))
+        logits = self.forward(cache, seqs, fed, Phase.decode, self.stage.evicts_in(Phase.decode))
         greedy = None
         if all(not s.request.settings.do_sample and not s.request.forced_tokens for s in seqs):
             greedy = logits.argmax(dim=-1).tolist()
@@ -344,20 +310,3 @@ class BatchLoop:
                 last.lane = seq.lane
             self.live.pop()
             seq.cache = None
-
-
-def with_question(request: Request) -> tuple[Request, int]:
-    """A request for a score that observes the prompt's question (Finch): its suffix, the question the task feeds
-    apart, joins the prompt, compressed with it, and the score is told how many of the prompt's last tokens it is."""
-    if not request.suffix_ids:
-        raise ValueError(
-            "the policy's score observes the prompt's question, and this request has none apart from its context "
-            "(suffix_ids); give the question as the suffix (a task's question_aware=false)"
-        )
-    if request.context_id is not None:
-        raise ValueError(
-            "the policy's score compresses each context with its own question, so contexts cannot be shared "
-            "between questions; use task.ask=all"
-        )
-    joined = replace(request, input_ids=[*request.input_ids, *request.suffix_ids], suffix_ids=[])
-    return joined, len(request.suffix_ids)

@@ -21,6 +21,7 @@ import torch
 
 from kvbench.engine.replay import attention_modules, replay_statistics
 from kvbench.engine.visibility import KeyAccess, visibility
+from kvbench.policies.inputs import Replay
 
 if TYPE_CHECKING:
     from kvbench.engine.cache.cache import KVCache
@@ -58,6 +59,12 @@ def gradient_pass_output(
         probs = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(value.dtype)
         output = torch.matmul(probs, value)
     return output.reshape(1, hq, q, -1).transpose(1, 2).contiguous()
+
+
+def autograd_mode(replay: Replay | None) -> contextlib.AbstractContextManager:
+    """Inference mode for a unit of the batch loop, except under a policy whose replay passes run a backward:
+    autograd cannot record over tensors made in inference mode, so its caches are made without gradients."""
+    return torch.no_grad() if replay is not None and replay.gradient else torch.inference_mode()
 
 
 @contextlib.contextmanager

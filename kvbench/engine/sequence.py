@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -168,3 +168,20 @@ def by_layer_kind(windows: list[int | None], achieved: list[float], resident: li
         out[f"budget_achieved_{kind}"] = sum(achieved[i] for i in chosen) / len(chosen) if chosen else None
         out[f"kv_resident_bytes_{kind}"] = sum(resident[i] for i in chosen) if chosen else None
     return out
+
+
+def with_question(request: Request) -> tuple[Request, int]:
+    """A request for a score that observes the prompt's question (Finch): its suffix, the question the task feeds
+    apart, joins the prompt, compressed with it, and the score is told how many of the prompt's last tokens it is."""
+    if not request.suffix_ids:
+        raise ValueError(
+            "the policy's score observes the prompt's question, and this request has none apart from its context "
+            "(suffix_ids); give the question as the suffix (a task's question_aware=false)"
+        )
+    if request.context_id is not None:
+        raise ValueError(
+            "the policy's score compresses each context with its own question, so contexts cannot be shared "
+            "between questions; use task.ask=all"
+        )
+    joined = replace(request, input_ids=[*request.input_ids, *request.suffix_ids], suffix_ids=[])
+    return joined, len(request.suffix_ids)
