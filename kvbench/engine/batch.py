@@ -214,13 +214,13 @@ class BatchLoop:
         seq.t0 = measure.now(self.device)
         key = request.context_id
         if key is None:
-            logits = prefill_context(self, cache, seq)
+            logits = self._prefill(cache, seq)
         else:
             context = self.contexts.take(key)
             seq.prefill_shared = context is not None
             if context is None:
                 own = self._prompt_cache(self.contexts.plans[key], seq, (Phase.prefill,))
-                context = Prefilled.of(own, seq, prefill_context(self, own, seq))
+                context = Prefilled.of(own, seq, self._prefill(own, seq))
                 self.contexts.keep(key, context)
             logits = context.start(seq, cache)
         if request.suffix_ids:
@@ -254,6 +254,10 @@ class BatchLoop:
         )
         cache.assign(0, seq.plans)
         return cache
+
+    def _prefill(self, cache: KVCache, seq: Sequence) -> torch.Tensor:
+        evicts, channels = self.stage.evicts_in(Phase.prefill), self.policy.channels is not None
+        return prefill_context(self.forward, cache, seq, evicts, self.settings.trace, channels)
 
     def _decode_step(self) -> None:
         seqs = self.live
