@@ -9,10 +9,12 @@ bash scripts/setup.sh
 BOTH=full,streamingllm,h2o,tova,roco,keydiff,lagkv,leverage,cur,threshold,cam  # prefill and decode
 PREFILL=expected_attention,criticalkv,criticalkv_adakv,chunkkv,noncausal_attn,compactor,cap  # prompt scores
 # Budgets per layer, per head, per channel or from passes of their own (HeadKV reads the committed profile)
-PREFILL+=,global_snapkv,layers_snapkv,simlayerkv,kvzip,kvzip_plus,kvcompose,duoattention,cake,entropy_gated_chunkkv
-PREFILL+=,think_snapkv,profiled/headkv
+PREFILL+=,global_snapkv,layers_snapkv,simlayerkv,kvzip,kvzip_plus,kvgrad,kvcompose,duoattention,cake
+PREFILL+=,entropy_gated_chunkkv,think_snapkv,profiled/headkv
 DECODE=rkv,quest  # decode-time rules (Quest attends its budget, holding every key)
-CELLS=("policy=$BOTH stage=prefill,decode" "policy=$PREFILL stage=prefill" "policy=$DECODE stage=decode")
+# Finch compresses each context with its question, which the tasks then feed apart (task.question_aware=false)
+CELLS=("policy=$BOTH stage=prefill,decode" "policy=$PREFILL stage=prefill" "policy=$DECODE stage=decode"
+  "policy=finch stage=prefill task.question_aware=false")
 COMMON=(results_dir=results sweep_name=example "budget=0.25,0.5,0.75" print_table=false)
 for cells in "${CELLS[@]}"; do
   read -ra grid <<< "$cells"

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kvbench.engine.replay import attention_modules, replay_statistics
 from kvbench.engine.visibility import KeyAccess, visibility
@@ -38,21 +40,26 @@ def gradient_pass_output(
     access: KeyAccess,
 ) -> torch.Tensor:
     """A gradient pass's output [1, q, hq, Dv], differentiable with respect to the query and the pass's own keys
-    and values: a KV head's query heads are one operand of SDPA (no copy of the keys per query head); a softcapped
-    family's logits are materialised. What ``replay_statistics`` reads is kept on ``layer`` (a layer whose policy
-    replays; None for one that does not, e.g. a sliding layer kept to its window) for after the backward."""
+    and values, from SDPA with GQA (no copy of the keys per query head): with the lower-right causal bias where
+    every past entry is visible (the mask autograd keeps is then [q, n], not one per query head), else with a KV
+    head's query heads as one operand and the layer's mask; a softcapped family's logits are materialised. What
+    ``replay_statistics`` reads is kept on ``layer`` (a layer whose policy replays; None for one that does not,
+    e.g. a sliding layer kept to its window) for after the backward."""
     if layer is not None:
         layer.pending_replay = (query.detach(), key.detach(), value.detach(), span, access)
     _, hq, q, dim = query.shape
     hkv, n = key.shape[1], key.shape[2]
     group = hq // hkv
+    if access.softcap is None and access.visible is None and access.window is None:
+        # Every past entry visible, the pass's own causal: the lower-right causal bias, no mask per query head.
+        bias = causal_lower_right(q, n)
+        output = F.scaled_dot_product_attention(query, key, value, bias, scale=access.scaling, enable_gqa=True)
+        return output.transpose(1, 2).contiguous()
     allowed = visibility(access.past, 0, q, n, access.visible, key.device, access.window)  # [1 or hkv, q, n]
     mask = allowed.unsqueeze(1).expand(-1, group, q, n).reshape(1, allowed.shape[0], group * q, n)
     grouped = query.reshape(1, hkv, group * q, dim)
     if access.softcap is None:
-        output = torch.nn.functional.scaled_dot_product_attention(
-            grouped, key, value, attn_mask=mask, scale=access.scaling
-        )
+        output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=access.scaling)
     else:
         logits = torch.matmul(grouped, key.transpose(-1, -2)) * access.scaling
         logits = torch.tanh(logits / access.softcap) * access.softcap
