@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_run import generate
 from family_models import build
-from test_kvzip import CHUNK, N_SINK, ONE, config, kept_sets, kvbench_scores
+from test_kvzip import CHUNK, N_SINK, ONE, chunk_probabilities, config, kept_sets, kvbench_scores, value_output_norms
 
 from kvbench.engine.replay import passes
 from kvbench.policies.registry import build_policy
@@ -28,7 +28,7 @@ def autograd_scores(model, ids: list[int], cfg: dict) -> torch.Tensor:
     eager.requires_grad_(False)
     conf = eager.config
     layers, hkv, hq = conf.num_hidden_layers, conf.num_key_value_heads, conf.num_attention_heads
-    group, dim = hq // hkv, getattr(conf, "head_dim", None) or conf.hidden_size // hq
+    group = hq // hkv
     n = len(ids)
     want = torch.zeros(layers, hkv, n)
     attn_modules = [layer.self_attn for layer in eager.model.layers]
@@ -50,20 +50,12 @@ def autograd_scores(model, ids: list[int], cfg: dict) -> torch.Tensor:
         for h in hooks:
             h.remove()
         q = len(replayed)
-        subset = torch.zeros(n + q, dtype=torch.bool)
-        subset[: span.sinks] = True
-        subset[span.start : span.end] = True
-        subset[n:] = True
         with torch.no_grad():
             for layer in range(layers):
                 if (getattr(conf, "layer_types", None) or ["full_attention"] * layers)[layer] != "full_attention":
                     continue  # a sliding layer keeps its window (its cache holds only that): not scored
-                probs = out.attentions[layer][0, :, n:, :]  # [hq, q, n + q]
-                probs = probs * subset / (probs * subset).sum(dim=-1, keepdim=True)
-                chunk = probs[:, :, span.start : span.end]  # [hq, q, c]
-                values = out.past_key_values.layers[layer].values[0, :, span.start : span.end]  # [hkv, c, D]
-                w_o = attn_modules[layer].o_proj.weight.view(conf.hidden_size, hq, dim)
-                wov = torch.stack([(values[head // group] @ w_o[:, head].T).norm(dim=-1) for head in range(hq)])
+                chunk = chunk_probabilities(out.attentions[layer][0], span, n)  # [hq, q, c]
+                wov = value_output_norms(out, attn_modules[layer], layer, span, group)  # [hq, c]
                 weight = outputs[layer].grad[0, n:].norm(dim=-1)  # [q]
                 chunk = chunk * wov.unsqueeze(1) * weight.view(1, q, 1)
                 best = chunk.amax(dim=1).view(hkv, group, -1).amax(dim=1)

@@ -65,7 +65,7 @@ def eager_scores(model, ids: list[int], policy_cfg: dict) -> torch.Tensor:
     eager.set_attn_implementation("eager")
     cfg = eager.config
     layers, hkv, hq = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
-    group, dim = hq // hkv, cfg.hidden_size // hq
+    group = hq // hkv
     n = len(ids)
     want = torch.zeros(layers, hkv, n)
     attn_modules = [layer.self_attn for layer in eager.model.layers]
@@ -85,24 +85,33 @@ def eager_scores(model, ids: list[int], policy_cfg: dict) -> torch.Tensor:
         for h in hooks:
             h.remove()
         q = len(replayed)
-        subset = torch.zeros(n + q, dtype=torch.bool)
-        subset[: span.sinks] = True
-        subset[span.start : span.end] = True
-        subset[n:] = True
         for layer in range(layers):
-            probs = out.attentions[layer][0, :, n:, :]  # [hq, q, n + q]
-            probs = probs * subset / (probs * subset).sum(dim=-1, keepdim=True)
-            chunk = probs[:, :, span.start : span.end]  # [hq, q, c]
+            chunk = chunk_probabilities(out.attentions[layer][0], span, n)  # [hq, q, c]
             if plus:
-                values = out.past_key_values.layers[layer].values[0, :, span.start : span.end]  # [hkv, c, D]
-                w_o = attn_modules[layer].o_proj.weight.view(cfg.hidden_size, hq, dim)
-                wov = torch.stack(
-                    [(values[head // group] @ w_o[:, head].T).norm(dim=-1) for head in range(hq)]
-                )  # [hq, c]
+                wov = value_output_norms(out, attn_modules[layer], layer, span, group)  # [hq, c]
                 chunk = chunk / inputs[layer][n:].norm(dim=-1).view(1, q, 1) * wov.unsqueeze(1)
             best = chunk.amax(dim=1).view(hkv, group, -1).amax(dim=1)
             want[layer, :, span.start : span.end] = best
     return want
+
+
+def chunk_probabilities(attentions: torch.Tensor, span, n: int) -> torch.Tensor:
+    """A pass's eager probabilities [hq, n + q, n + q] renormalised over the sinks, the chunk and the pass's own
+    tokens, at the pass's queries and the chunk's keys: [hq, q, c]."""
+    subset = torch.zeros(attentions.shape[-1], dtype=torch.bool)
+    subset[: span.sinks] = True
+    subset[span.start : span.end] = True
+    subset[n:] = True
+    probs = attentions[:, n:, :] * subset
+    return (probs / probs.sum(dim=-1, keepdim=True))[:, :, span.start : span.end]
+
+
+def value_output_norms(out, attn, layer: int, span, group: int) -> torch.Tensor:
+    """‖W_o v‖ of the chunk's values per query head [hq, c], from the eager cache and the module's o_proj."""
+    values = out.past_key_values.layers[layer].values[0, :, span.start : span.end]  # [hkv, c, D]
+    hq = values.shape[0] * group
+    w_o = attn.o_proj.weight.view(attn.o_proj.weight.shape[0], hq, values.shape[-1])
+    return torch.stack([(values[head // group] @ w_o[:, head].T).norm(dim=-1) for head in range(hq)])
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "materialised"])
