@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.budget import too_small
-from kvbench.config.phases import resolve_phases
+from kvbench.config.phases import named_policy, resolve_phases
 from kvbench.config.read import read_run
 from kvbench.config.schema import SamplingConfig, Source, Stage
 from kvbench.config.spec import ConfigError, RunSpec
@@ -82,6 +82,32 @@ def validate_engine(cfg: DictConfig | dict[str, Any]) -> RunSpec:
     return spec
 
 
+DECODE_PHASE_POLICIES = ("h2o", "snapkv", "tova")  # what a refusal suggests for the decode phase, in order
+
+
+def _decode_phase_hint(policy_cfg: dict[str, Any]) -> str | None:
+    """How to pair a prompt-only policy with a decode policy, checked by building the pair (None: no named
+    policy pairs with it). Both phases share one allocation: one that is not uniform (KVzip's global top-k) is
+    named for the run, with the prompt policy as its prefill phase."""
+    allocation = policy_cfg.get("allocation") or "uniform"
+    spec = allocation if isinstance(allocation, dict) else {"kind": allocation}
+    uniform = spec.get("kind", "uniform") == "uniform"
+    literal = "{" + ",".join(f"{k}:{v}" for k, v in spec.items()) + "}"
+    for decode in DECODE_PHASE_POLICIES:
+        named = named_policy(decode)
+        if uniform:
+            pair, hint = {**policy_cfg, "decode": named}, f"policy.decode={decode}"
+        else:
+            pair = {**named, "allocation": allocation, "prefill": policy_cfg}
+            hint = f"policy={decode} policy.prefill={policy_cfg.get('name')} 'policy.allocation={literal}'"
+        try:
+            build_policy(pair)
+        except (ValueError, TypeError, KeyError):
+            continue
+        return hint
+    return None
+
+
 def _engine_spec(data: dict[str, Any]) -> RunSpec:
     """The spec of a plain config, every setting checked but the task's."""
     _check_pretrained_path(dict(data.get("model") or {}))
@@ -96,11 +122,9 @@ def _engine_spec(data: dict[str, Any]) -> RunSpec:
     unsupported = policy.unsupported_stages or ()
     if run.stage in unsupported:
         allowed = [s.value for s in Stage if s not in unsupported]
-        compresses_prompts = run.stage is Stage.both and "prefill" not in unsupported
-        phases = " (or keep stage=both and name a policy for the decode phase: policy.decode=h2o)"
-        raise ConfigError(
-            f"{stage_refusal(policy.name, run.stage)}; use stage in {allowed}" + (phases if compresses_prompts else "")
-        )
+        hint = _decode_phase_hint(policy_cfg) if run.stage is Stage.both and "prefill" not in unsupported else None
+        phases = f" (or keep stage=both and name a policy for the decode phase: {hint})" if hint else ""
+        raise ConfigError(f"{stage_refusal(policy.name, run.stage)}; use stage in {allowed}{phases}")
     if run.stride is not None and policy.question:
         raise ConfigError(
             f"policy={policy.name} compresses the prompt once, observing the question at its end, so it needs the "

@@ -15,6 +15,9 @@ import numpy as np
 import psutil
 import torch
 
+# Whether the last ``reset_peak`` restarted the kernel's peak resident set of this process.
+_RSS_PEAK_RESET = False
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -28,14 +31,31 @@ def now(device: torch.device) -> float:
 
 
 def reset_peak(device: torch.device) -> None:
+    """Start a run's peak: CUDA's allocator counter, or on Linux the kernel's peak resident set of the process
+    (VmHWM, restarted by writing 5 to /proc/self/clear_refs), so that a run does not inherit the peak of an earlier
+    one in the same process (a sweep's cells)."""
+    global _RSS_PEAK_RESET
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _RSS_PEAK_RESET = True
+    except OSError:  # not Linux, or not allowed: the process's peak since it started
+        _RSS_PEAK_RESET = False
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """Device peak since the last reset on CUDA; the process's peak resident set on CPU."""
+    """Device peak since the last reset on CUDA; on CPU the resident set's peak since ``reset_peak`` where the
+    kernel lets it restart ("peak_rss"), else since the process started ("process_peak_rss")."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    if _RSS_PEAK_RESET:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "peak_rss"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024), "process_peak_rss"
 

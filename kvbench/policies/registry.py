@@ -187,10 +187,11 @@ def build_policy(cfg: dict[str, Any]) -> Policy:
             "channels chooses key channels from the prompt's last queries, and the score's replay passes feed "
             "queries after them: drop policy.channels for a replaying score"
         )
-    if score.replay is not None and score.replay.gradient and (quantize is not None or positions != "absolute"):
+    altered = [key for key, on in (("quantize", quantize is not None), ("positions", positions != "absolute")) if on]
+    if score.replay is not None and score.replay.gradient and altered:
         raise ValueError(
-            "KVgrad differentiates its replay passes through their own keys and values as the model computes them, "
-            "which a quantised or re-indexed cache stores changed: drop policy.quantize and policy.positions"
+            "KVgrad differentiates its replay passes through the keys and values as the model computes them, which "
+            f"a quantised or re-indexed cache stores altered: drop {' and '.join(f'policy.{k}' for k in altered)}"
         )
     scope = _part(SCOPES, cfg.get("scope", "all"))
     allocation_spec = _options(cfg.get("allocation") or "uniform")

@@ -80,7 +80,8 @@ class Measures:
     kv_capacity_bytes: int  # bytes of the cache's allocated buffers (with a sparsity's page bounds for every slot)
     peak_memory_prefill_bytes: int  # bytes, peak during prefill (see peak_memory_kind)
     peak_memory_bytes: int  # bytes, peak over the run (see peak_memory_kind)
-    peak_memory_kind: str  # what the peaks measure: CUDA allocations or the process's resident set
+    peak_memory_kind: str  # what the peaks measure: CUDA allocations, or the resident set's peak since the run began
+    # (peak_rss; process_peak_rss where the platform cannot restart it: since the process began)
     timings: Timings
     prompt_tokens: int  # tokens of the prompt (context + suffix)
     new_tokens: int  # tokens generated (or teacher-forced)

@@ -8,6 +8,7 @@ no cell wrote rows.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from conftest import REPO, SHARED_DATA, registries
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
 import kvbench.models
 import kvbench.run as entry
@@ -22,9 +24,18 @@ from kvbench.config.spec import ConfigError
 from kvbench.config.validate import validate, validate_engine
 from kvbench.policies.base import Score
 from kvbench.policies.parts import register_score
+from kvbench.policies.registry import build_policy
 from kvbench.runner import model_cache
 
 TINY = ["model=tiny-llama", "task.n=2", "task.context_tokens=128", "task.max_new_tokens=4"]
+
+
+def build_policy_named(name: str):
+    """A named policy as its config builds it (no model)."""
+    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "policy" / f"{name}.yaml"), resolve=True)
+    return build_policy(cfg)
+
+
 REFUSED = REPO / "tests" / "runner" / "refused"  # small bad input files, committed so that the doc's paths are stable
 HAYSTACK = REPO / "tests" / "runner" / "haystack"  # a few sentences of text, for refusals that come after reading it
 DOC = REPO / "docs" / "refused_inputs.md"
@@ -346,7 +357,12 @@ CASES = [
     # KVgrad back-propagates through each pass's own keys and values as the model computes them.
     (["policy=kvgrad", "stage=decode"], "policy=kvgrad cannot run in stage=decode; use stage in ['prefill']"),
     (["policy=kvgrad", "policy.quantize=int8"], "KVgrad differentiates its replay passes"),
-    (["policy=kvgrad", "policy.positions=reindex"], "drop policy.quantize and policy.positions"),
+    (["policy=kvgrad", "policy.positions=reindex"], "stores altered: drop policy.positions"),
+    (["policy=kvgrad", "policy.score.chunk=0"], "replay chunk=0 must be >= 1 token"),
+    (
+        ["policy=kvgrad", "stage=both"],
+        "policy=h2o policy.prefill=kvgrad 'policy.allocation={kind:global,floor:0.0}'",
+    ),
     (
         ["policy=kvzip", "policy.channels={kind:think,ratio:0.5}"],
         "policy=kvzip: channels chooses key channels from the prompt's last queries",
@@ -545,3 +561,33 @@ def test_finch_is_refused_for_a_harness_that_brings_its_own_requests():
         config = compose("config", overrides=[*TINY, "policy=finch"])
     with pytest.raises(ConfigError, match="a harness's own requests do not give apart from the context"):
         validate_engine(config)
+
+
+PROMPT_ONLY = sorted(
+    p.stem
+    for p in (REPO / "configs" / "policy").glob("*.yaml")
+    if "both" in str(build_policy_named(p.stem).unsupported_stages or ())
+    and "prefill" not in str(build_policy_named(p.stem).unsupported_stages or ())
+)
+
+
+# Prompt-only policies no named decode policy pairs with (their refusal names no decode phase).
+NO_DECODE_PAIR = {"cake"}  # its layer budgets need a windowed score, and no named decode-phase policy has one
+
+
+@pytest.mark.parametrize("name", PROMPT_ONLY)
+def test_the_decode_phase_hint_of_a_prompt_only_policy_validates(name):
+    """A prompt-only policy refused in stage=both names a decode phase that works: its overrides validate."""
+    task = ["task.question_aware=false"]  # Finch's question apart; the others do not mind
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        config = compose("config", overrides=[*TINY, *task, f"policy={name}", "stage=both"])
+        with pytest.raises(ConfigError) as refused:
+            validate(config)
+        if "decode phase: " not in str(refused.value):
+            assert name in NO_DECODE_PAIR, str(refused.value)
+            return
+        hint = shlex.split(str(refused.value).split("decode phase: ", 1)[1].rsplit(")", 1)[0])
+        base = next((o for o in hint if o.startswith("policy=")), f"policy={name}")
+        overrides = [o for o in hint if not o.startswith("policy=")]
+        config = compose("config", overrides=[*TINY, *task, base, *overrides, "stage=both"])
+    assert str(validate(config).stage) in ("both", "Stage.both")
