@@ -12,9 +12,7 @@ PREFILL=expected_attention,criticalkv,criticalkv_adakv,chunkkv,noncausal_attn,co
 PREFILL+=,global_snapkv,layers_snapkv,simlayerkv,kvzip,kvzip_plus,kvgrad,kvcompose,duoattention,cake
 PREFILL+=,entropy_gated_chunkkv,think_snapkv,profiled/headkv
 DECODE=rkv,quest  # decode-time rules (Quest attends its budget, holding every key)
-# Finch compresses each context with its question, which the tasks then feed apart (task.question_aware=false)
-CELLS=("policy=$BOTH stage=prefill,decode" "policy=$PREFILL stage=prefill" "policy=$DECODE stage=decode"
-  "policy=finch stage=prefill task.question_aware=false")
+CELLS=("policy=$BOTH stage=prefill,decode" "policy=$PREFILL stage=prefill" "policy=$DECODE stage=decode")
 COMMON=(results_dir=results sweep_name=example "budget=0.25,0.5,0.75" print_table=false)
 for cells in "${CELLS[@]}"; do
   read -ra grid <<< "$cells"

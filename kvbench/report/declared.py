@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvbench.config.phases import named_policy
+from kvbench.config.phases import CONFIG_DIR, named_policy
 from kvbench.config.spec import ConfigError
 from kvbench.policies.registry import build_policy
 from kvbench.report.labels import base_name
@@ -42,12 +42,25 @@ def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _named_config(name: str) -> dict[str, Any]:
+    """The config of the policy a cell names: ``configs/policy/<name>.yaml``, or one in a folder of it (a profiled
+    policy, ``policy=profiled/headkv``, names itself ``headkv``)."""
+    try:
+        return named_policy(name)
+    except ConfigError:
+        folders = sorted(p.name for p in (CONFIG_DIR / "policy").iterdir() if p.is_dir())
+        for folder in folders:
+            if (CONFIG_DIR / "policy" / folder / f"{name}.yaml").is_file():
+                return named_policy(f"{folder}/{name}")
+        raise
+
+
 @functools.cache
 def facts(name: str, changes: tuple[tuple[str, Any], ...] = ()) -> PolicyFacts:
     """The facts of ``configs/policy/<name>.yaml`` with the cell's ``policy.*`` changes; none for a name that is no
     config (a policy registered by a user's code: nothing is assumed of it)."""
     try:
-        config = named_policy(name)
+        config = _named_config(name)
         for key, value in changes:
             _set(config, key, value)
         policy = build_policy(config)

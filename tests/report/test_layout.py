@@ -160,3 +160,17 @@ def test_thirteen_tasks_keep_titles_ticks_and_labels_apart(tmp_path: Path, kind:
     for ax in fig.axes:
         ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
         assert not overlaps(ticks), "x tick labels overlap"
+
+
+def test_a_profiled_policy_is_known_by_its_name(monkeypatch):
+    """A cell of ``policy=profiled/headkv`` is labelled ``headkv``: its config is found in its folder, so the
+    coverage knows it refuses stage=decode (no missing decode cells listed for it). The config reads the
+    committed profile, relative to the repository."""
+    from conftest import REPO
+
+    from kvbench.report.declared import facts
+
+    monkeypatch.chdir(REPO)
+    facts.cache_clear()
+    assert facts("headkv").refused_stages == ("decode",)
+    assert facts("no_such_policy").refused_stages == ()
