@@ -175,7 +175,8 @@ class BatchLoop:
         kind = self.policy.replay if replay is not None else None
         weighed = gradient_pass(self.model, cache, kind is not None and kind.gradient)
         with attending(cache), hidden_norms(self.model, cache, kind is not None and kind.plus), weighed:
-            if self.fused is not None and replay is None:
+            # A KVzip+ or KVgrad pass reads the attention modules' hooks, which the fused forward does not call.
+            if self.fused is not None and (kind is None or not (kind.plus or kind.gradient)):
                 logits = self.fused(input_ids, fed, cache)
             else:
                 logits = self.model(
