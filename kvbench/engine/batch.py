@@ -28,7 +28,7 @@ from kvbench.engine.plan import LayerPlan, plan_layers
 from kvbench.engine.prompt_feed import prefill_context
 from kvbench.engine.replay import hidden_norms, passes
 from kvbench.engine.replay_gradient import autograd_mode, gradient_pass
-from kvbench.engine.sampling import choose_token, eos_ids, hit_stop
+from kvbench.engine.sampling import eos_ids
 from kvbench.engine.sequence import (
     Generation,
     Request,
@@ -227,7 +227,7 @@ class BatchLoop:
         if request.suffix_ids:
             logits = self.forward(cache, [seq], [list(request.suffix_ids)], Phase.prefill, False)  # never evicted
         seq.prefill_s = measure.now(self.device) - seq.t0
-        self._take(seq, logits[0])
+        seq.take(logits[0], keep_logits=self.settings.return_logits)
         seq.ttft_s = measure.now(self.device) - seq.t0
         seq.peak_prefill = measure.peak_memory_bytes(self.device)
         if self.batch is None:
@@ -240,7 +240,7 @@ class BatchLoop:
                 measure.trim_freed_memory(collect=False)
         seq.lane = lane
         self.live.append(seq)
-        self._retire([seq] if self._stop(seq) else [])
+        self._retire([seq] if seq.stopped(self.stops, self.tokenizer) else [])
 
     def _prompt_cache(self, plan_sets: list[list[LayerPlan]], seq: Sequence, phases: tuple[Phase, ...]) -> KVCache:
         """A one-lane cache for a prompt (and, at batch 1, its decode), holding ``seq``'s plans."""
@@ -271,35 +271,12 @@ class BatchLoop:
         if all(not s.request.settings.do_sample and not s.request.forced_tokens for s in seqs):
             greedy = logits.argmax(dim=-1).tolist()
         for i, s in enumerate(seqs):
-            self._take(s, logits[i], None if greedy is None else greedy[i])
+            s.take(logits[i], None if greedy is None else greedy[i], self.settings.return_logits)
         dt = measure.now(self.device) - t
         for s in seqs:
             s.latencies.append(dt)
             s.step_batches.append(len(seqs))
-        self._retire([s for s in seqs if self._stop(s)])
-
-    def _take(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> None:
-        forced = seq.request.forced_tokens
-        if forced:
-            token = forced[len(seq.tokens)]
-        elif greedy is not None:
-            token = greedy
-        else:
-            token = int(choose_token(logits, seq.request.settings, seq.sampler))
-        seq.tokens.append(token)
-        if self.settings.return_logits:
-            seq.logits.append(logits.float().cpu())
-
-    def _stop(self, seq: Sequence) -> bool:
-        settings, forced = seq.request.settings, seq.request.forced_tokens
-        limit = len(forced) if forced else settings.max_new_tokens
-        if len(seq.tokens) >= limit:
-            seq.stop_reason = "max_new_tokens"
-        elif not forced and seq.tokens[-1] in self.stops:
-            seq.stop_reason = "eos"
-        elif not forced and settings.stop_strings and hit_stop(self.tokenizer, seq.tokens, settings.stop_strings):
-            seq.stop_reason = "stop_string"
-        return seq.stop_reason is not None
+        self._retire([s for s in seqs if s.stopped(self.stops, self.tokenizer)])
 
     def _retire(self, done: list[Sequence]) -> None:
         """Finish ``done`` and close the batch's gaps: the last live sequence moves into a freed lane."""

@@ -12,7 +12,7 @@ from kvbench.engine.cache.cache import KVCache
 from kvbench.engine.measure import latency_summary
 from kvbench.engine.plan import LayerPlan
 from kvbench.engine.replay import Pass
-from kvbench.engine.sampling import DecodeSettings, cut_at_stop
+from kvbench.engine.sampling import DecodeSettings, choose_token, cut_at_stop, hit_stop
 from kvbench.results.schema import Measures, Timings
 
 
@@ -81,6 +81,31 @@ class Sequence:
     def __post_init__(self) -> None:
         self.sampler = torch.Generator(device=self.device)
         self.sampler.manual_seed(self.request.settings.seed)
+
+    def take(self, logits: torch.Tensor, greedy: int | None = None, keep_logits: bool = False) -> None:
+        """Append the next token: the forced one, the batch's greedy choice, or one sampled from ``logits``."""
+        forced = self.request.forced_tokens
+        if forced:
+            token = forced[len(self.tokens)]
+        elif greedy is not None:
+            token = greedy
+        else:
+            token = int(choose_token(logits, self.request.settings, self.sampler))
+        self.tokens.append(token)
+        if keep_logits:
+            self.logits.append(logits.float().cpu())
+
+    def stopped(self, stops: set[int], tokenizer: Any) -> bool:
+        """Whether the generation is over (``stop_reason`` says why): its length, an end token or a stop string."""
+        settings, forced = self.request.settings, self.request.forced_tokens
+        limit = len(forced) if forced else settings.max_new_tokens
+        if len(self.tokens) >= limit:
+            self.stop_reason = "max_new_tokens"
+        elif not forced and self.tokens[-1] in stops:
+            self.stop_reason = "eos"
+        elif not forced and settings.stop_strings and hit_stop(tokenizer, self.tokens, settings.stop_strings):
+            self.stop_reason = "stop_string"
+        return self.stop_reason is not None
 
 
 def reference_length(stage: str, context: int, suffix: int, max_new_tokens: int) -> int:
